@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Both create .venv when missing and install the project with its pinned dependencies.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+MODEL ?= resnet50
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python setup.cfg constraints.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m tvm_bnfold.cli demo --model $(MODEL)
+
+test: $(STAMP)
+	$(BIN)/ruff check python tests
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check python tests
+
+bench: $(STAMP)
+	$(BIN)/python -m tvm_bnfold.bench
+
+clean:
+	rm -rf $(VENV) build python/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,384 @@
+"""Load ONNX models into Relax, and the built-in demo CNNs with BatchNorm.
+
+The built-ins need no download: ``resnet50()`` takes the real ResNet-50 graph that ships inside
+the ``onnx`` package (its weights there are placeholders) and ``mobilenetv2()`` is generated
+with ``onnx.helper``. Both get seeded random weights with inference BatchNorm statistics that
+keep activations bounded through the whole network, so folding and fusion have real numbers to
+preserve.
+
+    mod = load_onnx(get_model("resnet50"), shapes={"data": (1, 3, 64, 64)})
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import tvm
+from google.protobuf.message import DecodeError
+from onnx import TensorProto, helper, numpy_helper
+
+from .errors import BNFoldError
+
+logger = logging.getLogger(__name__)
+
+INPUT_NAME = "data"
+_OPSET = 13
+_IR_VERSION = 8
+_RESNET50_ONNX = Path(onnx.__file__).parent / "backend/test/data/light/light_resnet50.onnx"
+# Ops the importer handles outside its convert map.
+_IMPORTER_BUILTIN_OPS = frozenset({"Constant", "If"})
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_onnx(
+    model: str | os.PathLike | onnx.ModelProto,
+    shapes: dict[str, Sequence[int]] | None = None,
+) -> tvm.IRModule:
+    """Import an ONNX model (path or ModelProto) as a Relax module whose weights are constants.
+
+    ``shapes`` overrides graph input shapes, e.g. ``{"data": (1, 3, 64, 64)}``. The caller's
+    ModelProto is not modified. Raises BNFoldError for a missing or non-ONNX file, an unknown
+    input name in ``shapes`` and ops TVM's ONNX importer does not support.
+    """
+    from tvm.relax.frontend.onnx import from_onnx
+
+    proto = model if isinstance(model, onnx.ModelProto) else _read_onnx(Path(model))
+    if not proto.HasField("graph"):
+        raise BNFoldError("ONNX model has no graph")
+    _check_ops(proto)
+    shape_dict = _shape_overrides(proto, shapes or {})
+
+    start = time.perf_counter()
+    try:
+        mod = from_onnx(proto, shape_dict=shape_dict, keep_params_in_input=False)
+    except NotImplementedError as err:  # tvm.error.OpNotImplemented is one
+        raise BNFoldError(f"TVM's ONNX importer cannot import this model: {err}") from err
+    logger.info(
+        "imported ONNX graph %r (%d nodes) in %.2f s",
+        proto.graph.name,
+        len(proto.graph.node),
+        time.perf_counter() - start,
+    )
+    return mod
+
+
+def _read_onnx(path: Path) -> onnx.ModelProto:
+    if not path.is_file():
+        raise BNFoldError(f"ONNX model file not found: {path}" + " (a directory)" * path.is_dir())
+    try:
+        proto = onnx.load(path)
+    except DecodeError as err:
+        raise BNFoldError(f"{path} is not an ONNX model: {err}") from err
+    if proto.ir_version == 0 or not proto.HasField("graph"):
+        raise BNFoldError(f"{path} is not an ONNX model: it has no IR version or no graph")
+    return proto
+
+
+def _walk_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """All nodes of ``graph``, including those in subgraphs (If branches)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else attr.graphs:
+                yield from _walk_nodes(sub)
+
+
+def _check_ops(proto: onnx.ModelProto) -> None:
+    """Name every node whose op TVM's importer lacks, before importing."""
+    try:
+        from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+    except ImportError:  # private API moved: from_onnx's own OpNotImplemented still surfaces
+        return
+    known = _get_convert_map().keys() | _IMPORTER_BUILTIN_OPS
+    bad = [n for n in _walk_nodes(proto.graph) if n.op_type not in known]
+    if bad:
+        listed = ", ".join(f"{n.op_type} (node {n.name or '<unnamed>'!r})" for n in bad)
+        raise BNFoldError(f"TVM's ONNX importer does not support op(s): {listed}")
+
+
+def _graph_inputs(graph: onnx.GraphProto) -> list[onnx.ValueInfoProto]:
+    params = {t.name for t in graph.initializer}
+    return [i for i in graph.input if i.name not in params]
+
+
+def _shape_overrides(
+    proto: onnx.ModelProto, shapes: dict[str, Sequence[int]]
+) -> dict[str, list[int]]:
+    inputs = {i.name: i for i in _graph_inputs(proto.graph)}
+    unknown = sorted(set(shapes) - inputs.keys())
+    if unknown:
+        raise BNFoldError(
+            f"shapes given for {unknown}, which are not graph inputs (inputs: {sorted(inputs)})"
+        )
+    result = {}
+    for name, shape in shapes.items():
+        dims = [int(d) for d in shape]
+        rank = len(inputs[name].type.tensor_type.shape.dim)
+        if any(d <= 0 for d in dims) or (rank and rank != len(dims)):
+            raise BNFoldError(f"shape {tuple(shape)} for input {name!r}: expected {rank} dims > 0")
+        result[name] = dims
+    return result
+
+
+def input_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+    """Static shape of each graph input that is not an initializer."""
+    result = {}
+    for value in _graph_inputs(model.graph):
+        dims = value.type.tensor_type.shape.dim
+        if not all(d.HasField("dim_value") for d in dims):
+            raise BNFoldError(f"input {value.name!r} has a dynamic shape; pass shapes= to load it")
+        result[value.name] = tuple(d.dim_value for d in dims)
+    return result
+
+
+def random_inputs(
+    mod_or_model: tvm.IRModule | onnx.ModelProto, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Deterministic N(0, 1) inputs for each graph input (of a ModelProto or Relax "main")."""
+    if isinstance(mod_or_model, onnx.ModelProto):
+        dtypes = {
+            v.name: helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type)
+            for v in _graph_inputs(mod_or_model.graph)
+        }
+        specs = [(name, shape, dtypes[name]) for name, shape in input_shapes(mod_or_model).items()]
+    else:
+        specs = []
+        for param in mod_or_model["main"].params:
+            if not all(isinstance(d, tvm.tirx.IntImm) for d in param.ty.shape):
+                raise BNFoldError(f"input {param.name!r} has a dynamic shape {param.ty.shape}")
+            specs.append((param.name, tuple(int(d) for d in param.ty.shape), str(param.ty.dtype)))
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(shape).astype(dtype) for name, shape, dtype in specs}
+
+
+# --------------------------------------------------------------------------------------------
+# Seeded weights
+# --------------------------------------------------------------------------------------------
+
+
+def _he_normal(rng: np.random.Generator, shape: Sequence[int]) -> np.ndarray:
+    """Kaiming-normal conv weight (O, I/group, kh, kw), std = sqrt(2 / fan_in), each filter
+    centred to zero sum so a conv adds no per-channel offset (keeps running_mean ~ 0 honest)."""
+    std = np.sqrt(2.0 / np.prod(shape[1:]), dtype=np.float32)
+    weight = rng.standard_normal(shape, dtype=np.float32) * std
+    return weight - weight.mean(axis=(1, 2, 3), keepdims=True)
+
+
+def _bn_stats(
+    rng: np.random.Generator, weight: np.ndarray, *, after_relu: bool, branch_end: bool
+) -> list[np.ndarray]:
+    """Inference BatchNorm (gamma, beta, running_mean, running_var) after a conv with ``weight``.
+
+    running_var is what the conv outputs for inputs of variance v, times U(0.5, 2) per
+    channel: v * sum(W^2), with v = 0.34 after BN + ReLU (that of relu(N(0, 1))), else 1.
+    running_mean ~ N(0, 0.1^2), as the zero-sum filters output mean ~ 0. ``branch_end`` marks
+    the last BN of a residual branch: gamma ~ U(0.1, 0.3) instead of U(0.5, 1.5), as
+    zero-init-gamma training leaves it, so the residual stream stays bounded.
+    """
+    channels = weight.shape[0]
+    in_var = 0.34 if after_relu else 1.0
+    gamma = rng.uniform(0.1, 0.3, channels) if branch_end else rng.uniform(0.5, 1.5, channels)
+    beta = rng.normal(0.0, 0.1, channels)
+    mean = rng.normal(0.0, 0.1, channels)
+    var = in_var * np.square(weight).sum(axis=(1, 2, 3)) * rng.uniform(0.5, 2.0, channels)
+    return [a.astype(np.float32) for a in (gamma, beta, mean, var)]
+
+
+def _linear(rng: np.random.Generator, out_features: int, in_features: int) -> list[np.ndarray]:
+    """Classifier weight (out, in) ~ N(0, 0.01^2) and bias ~ N(0, 0.01^2)."""
+    shapes = [(out_features, in_features), (out_features,)]
+    return [rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for s in shapes]
+
+
+def _make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", _OPSET)],
+        ir_version=_IR_VERSION,
+        producer_name="tvm_bnfold",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# ResNet-50
+# --------------------------------------------------------------------------------------------
+
+
+def resnet50(seed: int = 0) -> onnx.ModelProto:
+    """ResNet-50 v1 (53 Conv -> BatchNorm pairs), input "data" (1, 3, 224, 224), output "prob".
+
+    The graph is the caffe2 export in ``onnx/backend/test/data/light``; all its parameters
+    (placeholders, and a few real BN tensors that would not match random convs) are replaced
+    by seeded random ones. Changes, all exact at 224x224: the 7x7 AveragePool
+    becomes GlobalAveragePool and the fixed Reshape a Flatten (any resolution works), and the
+    two-input ``Sum`` residual joins become ``Add`` (TVM imports ``Sum`` as stack + reduce,
+    which hides the residual add from epilogue fusion). Opset 9 ops are re-declared as opset
+    13, whose semantics are the same for every op used.
+    """
+    src = onnx.load(_RESNET50_ONNX).graph
+    shapes = {}  # parameter name -> shape, from "<name>__SHAPE" placeholders or real tensors
+    for tensor in src.initializer:
+        if tensor.name.endswith("__SHAPE"):
+            shapes[tensor.name.removesuffix("__SHAPE")] = numpy_helper.to_array(tensor).tolist()
+        else:
+            shapes.setdefault(tensor.name, list(tensor.dims))
+
+    def rename(name: str) -> str:
+        return name.removeprefix("gpu_0/").removesuffix("_0")
+
+    src_in, src_out = src.input[0].name, src.output[0].name
+    names = {src_in: INPUT_NAME, src_out: "prob"}
+    rng = np.random.default_rng(seed)
+    nodes, params = [], {}
+    convs = {}  # conv output -> (conv input, weight)
+    for node in src.node:
+        if node.op_type == "ConstantOfShape":
+            continue
+        op, name = node.op_type, node.name
+        ins = [names.get(i, rename(i)) for i in node.input]
+        outs = [names.get(o, rename(o)) for o in node.output]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if op == "Conv":
+            name = ins[1].removesuffix("_w")
+            params[ins[1]] = _he_normal(rng, shapes[node.input[1]])
+            convs[outs[0]] = ins[0], params[ins[1]]
+        elif op == "BatchNormalization":
+            name = ins[1].removesuffix("_s")
+            conv_input, weight = convs[ins[0]]
+            # Every conv but the stem reads a ReLU output; branch2c ends a residual branch.
+            after_relu, branch_end = conv_input != INPUT_NAME, "branch2c" in name
+            stats = _bn_stats(rng, weight, after_relu=after_relu, branch_end=branch_end)
+            params.update(zip(ins[1:], stats, strict=True))
+        elif op == "Gemm":
+            params.update(zip(ins[1:], _linear(rng, *shapes[node.input[1]]), strict=True))
+        elif op == "AveragePool":
+            op, attrs = "GlobalAveragePool", {}
+        elif op == "Reshape":
+            op, ins, attrs = "Flatten", ins[:1], {"axis": 1}
+        elif op == "Sum":
+            op = "Add"
+        nodes.append(helper.make_node(op, ins, outs, name=name, **attrs))
+
+    graph = helper.make_graph(
+        nodes,
+        "resnet50",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, [1, 3, 224, 224])],
+        [helper.make_tensor_value_info("prob", TensorProto.FLOAT, [1, 1000])],
+        initializer=[numpy_helper.from_array(a, name) for name, a in params.items()],
+    )
+    return _make_model(graph)
+
+
+# --------------------------------------------------------------------------------------------
+# MobileNetV2
+# --------------------------------------------------------------------------------------------
+
+# (expansion t, output channels c, repeats n, first stride s), as in the paper and torchvision.
+_MOBILENETV2_BLOCKS = [
+    (1, 16, 1, 1),
+    (6, 24, 2, 2),
+    (6, 32, 3, 2),
+    (6, 64, 4, 2),
+    (6, 96, 3, 1),
+    (6, 160, 3, 2),
+    (6, 320, 1, 1),
+]
+
+
+def mobilenetv2(seed: int = 0) -> onnx.ModelProto:
+    """MobileNetV2 1.0 as torchvision exports it: 52 Conv (no bias) -> BatchNorm pairs, ReLU6 as
+    ``Clip(x, 0, 6)``, 17 inverted residual blocks ``block1..block17`` (10 with a residual
+    ``Add``); input "data" (1, 3, 224, 224), output "logits" (1, 1000)."""
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    params = {"relu6_min": np.array(0.0, np.float32), "relu6_max": np.array(6.0, np.float32)}
+
+    def node(op: str, inputs: list[str], name: str, **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def conv_bn(
+        x: str,
+        name: str,
+        cin: int,
+        cout: int,
+        *,
+        kernel: int = 1,
+        stride: int = 1,
+        groups: int = 1,
+        relu6: bool = True,
+        branch_end: bool = False,
+    ) -> str:
+        weight = params[f"{name}_w"] = _he_normal(rng, (cout, cin // groups, kernel, kernel))
+        node(
+            "Conv",
+            [x, f"{name}_w"],
+            name,
+            kernel_shape=[kernel, kernel],
+            strides=[stride, stride],
+            pads=[kernel // 2] * 4,
+            group=groups,
+        )
+        bn_params = [f"{name}_bn_{p}" for p in ("s", "b", "rm", "riv")]
+        # Inputs that come out of a ReLU6 are non-negative; the stream between blocks is linear.
+        stats = _bn_stats(rng, weight, after_relu=x.endswith("_relu6"), branch_end=branch_end)
+        params.update(zip(bn_params, stats, strict=True))
+        y = node("BatchNormalization", [name, *bn_params], f"{name}_bn", epsilon=1e-5)
+        return node("Clip", [y, "relu6_min", "relu6_max"], f"{name}_relu6") if relu6 else y
+
+    x = conv_bn(INPUT_NAME, "conv0", 3, 32, kernel=3, stride=2)
+    cin, block = 32, 0
+    for t, c, n, s in _MOBILENETV2_BLOCKS:
+        for i in range(n):
+            block += 1
+            name, stride = f"block{block}", s if i == 0 else 1
+            residual = stride == 1 and cin == c
+            y = x if t == 1 else conv_bn(x, f"{name}_expand", cin, cin * t)
+            y = conv_bn(y, f"{name}_dw", cin * t, cin * t, kernel=3, stride=stride, groups=cin * t)
+            y = conv_bn(y, f"{name}_project", cin * t, c, relu6=False, branch_end=residual)
+            x = node("Add", [x, y], f"{name}_add") if residual else y
+            cin = c
+    x = conv_bn(x, "conv_last", cin, 1280)
+    x = node("Flatten", [node("GlobalAveragePool", [x], "pool")], "flatten", axis=1)
+    params["fc_w"], params["fc_b"] = _linear(rng, 1000, 1280)
+    node("Gemm", [x, "fc_w", "fc_b"], "logits", transB=1)
+
+    graph = helper.make_graph(
+        nodes,
+        "mobilenetv2",
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, [1, 3, 224, 224])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1000])],
+        initializer=[numpy_helper.from_array(a, name) for name, a in params.items()],
+    )
+    return _make_model(graph)
+
+
+BUILTIN: dict[str, Callable[[], onnx.ModelProto]] = {
+    "resnet50": resnet50,
+    "mobilenetv2": mobilenetv2,
+}
+
+
+def get_model(name_or_path: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
+    """A built-in model by name (see ``BUILTIN``), an .onnx file, or a ModelProto as given."""
+    if isinstance(name_or_path, onnx.ModelProto):
+        return name_or_path
+    if isinstance(name_or_path, str) and name_or_path in BUILTIN:
+        return BUILTIN[name_or_path]()
+    path = Path(name_or_path)
+    if path.exists():
+        return _read_onnx(path)
+    raise BNFoldError(
+        f"unknown model {str(name_or_path)!r}: no such file, and not a built-in model "
+        f"(built-in: {', '.join(BUILTIN)})"
+    )
