@@ -408,12 +408,14 @@ def conv_configs(draw):
         cin=2 * draw(st.integers(1, 3)), cout=2 * draw(st.integers(1, 3)),
         bias=draw(st.booleans()), transpose=transpose,
         epsilon=draw(st.sampled_from([1e-5, 1e-3, 0.1])),
+        dtype=draw(st.sampled_from(["float32", "float32", "float16"])),
         seed=draw(st.integers(0, 2**16)),
     )
 
 
 @given(config=conv_configs())
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_property_random_convs_fold_exactly(config):
+    """fp32 within 1e-5; fp16 within its own rounding (both graphs round differently)."""
     mod, x = conv_bn_module(**config)
-    check_folds(mod, x)
+    check_folds(mod, x, tol=1e-5 if config["dtype"] == "float32" else 2e-2)
