@@ -1,7 +1,11 @@
-"""tvm_bnfold: fold inference BatchNorm into conv/dense weights for Apache TVM (Relax)."""
+"""tvm_bnfold: fold inference BatchNorm into conv/dense weights and run each conv's epilogue on its
+register tile, for Apache TVM (Relax)."""
 
+from . import chips
 from .errors import BNFoldError
 from .fold_bn import FoldBN, FoldRecord
+from .fuse_epilogue import FuseEpilogue, FusionRecord
 from .models import load_onnx
 
-__all__ = ["BNFoldError", "FoldBN", "FoldRecord", "load_onnx"]
+__all__ = ["BNFoldError", "FoldBN", "FoldRecord", "FuseEpilogue", "FusionRecord", "chips",
+           "load_onnx"]

@@ -8,13 +8,13 @@ import sys
 import time
 from collections import Counter
 
-import numpy as np
 import tvm
 
-from .bench import conv_count, op_counts, run_once
+from . import chips
+from .bench import compare, conv_count, op_counts, print_rows
 from .errors import BNFoldError
 from .fold_bn import FoldBN
-from .models import BUILTIN, get_model, load_onnx, random_inputs
+from .models import BUILTIN, get_model, load_onnx
 
 logger = logging.getLogger("tvm_bnfold")
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="fold a model, compile it with TVM before/after and compare the outputs"
     )
     p.add_argument("--model", default="resnet50", help=model_help)
+    p.add_argument("--chip", default="avx512", help="a chip that runs here (avx512, avx2)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -67,16 +68,9 @@ def _demo(args) -> None:
     before, after = op_counts(mod), op_counts(folded)
     print(f"BatchNorms: {before['nn.batch_norm']} -> {after['nn.batch_norm']}; "
           f"convs: {conv_count(before)} -> {conv_count(after)}")
-    inputs = list(random_inputs(mod).values())
-    outs = []
-    for name, m in (("unfolded", mod), ("folded", folded)):
-        start = time.perf_counter()
-        outs.append(run_once(m, inputs))
-        print(f"{name}: compiled and ran in {time.perf_counter() - start:.1f} s "
-              "(stock TVM build, no tuning)")
-    diff = np.abs(outs[0] - outs[1])
-    print(f"max abs difference of outputs: {diff.max():.3g} "
-          f"(relative to max |output|: {diff.max() / np.abs(outs[0]).max():.3g})")
+    chip = chips.get(args.chip)
+    print(f"\nCompiling and timing three variants for {chip.name} (default schedules):")
+    print_rows(compare(mod, args.model, chip, repeat=10))
 
 
 if __name__ == "__main__":

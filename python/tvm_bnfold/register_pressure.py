@@ -253,6 +253,8 @@ def _func_name(func: PrimFuncLike) -> str:
 
 
 def _build(func: PrimFuncLike, chip: chips.Chip):
+    if isinstance(func, tvm.tirx.PrimFunc) and not (func.attrs and "global_symbol" in func.attrs):
+        func = func.with_attr("global_symbol", "main")  # a kernel taken out of a Relax module
     try:
         return tvm.tirx.build(func, chip.target)
     except Exception as err:  # TVM raises many error types; name the kernel and the chip

@@ -1,0 +1,201 @@
+"""FuseEpilogue: one kernel per conv / matmul with its bias, activation and residual add, the
+epilogue applied on the register tile — where the target's registers hold it.
+
+Before (after FoldBN)::
+
+    lv = R.nn.conv2d(x, W')
+    lv1 = R.add(lv, b')
+    lv2 = R.add(lv1, residual)
+    y = R.nn.relu(lv2)
+
+After::
+
+    y = R.call_tir(fused_conv2d_add_add1_relu, (x, W', b', residual))   # scheduled PrimFunc:
+    # accumulators in registers; + b', + residual, relu on that tile; one write of y
+
+Phase 1 groups ops with TVM's own Relax fusion (which never fuses an intermediate that is needed
+elsewhere: such a tensor stays an output of the kernel). Phase 2 keeps any schedule a
+MetaSchedule database in context has for a kernel. Phase 3 gives every other conv/matmul kernel
+our default schedule, after a register-pressure check: the largest register tile whose static
+estimate of live vector registers fits the chip's budget and whose compiled code does not spill;
+else the epilogue moves to the cache tile; else it stays a separate loop nest. Every decision is a
+:class:`FusionRecord` in ``FuseEpilogue().report``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax
+from tvm.s_tir import dlight as dl
+from tvm.s_tir import meta_schedule as ms
+
+from . import chips, conv_schedule, register_pressure
+
+logger = logging.getLogger(__name__)
+
+EPILOGUE_LEVELS = ("register", "cache", "separate")
+
+
+@dataclass
+class FusionRecord:
+    """The decision for one fused kernel."""
+
+    kernel: str
+    chip: str
+    ops: list[str]
+    decision: str  # "register" | "cache" | "separate" | "database"
+    tile: str = ""
+    registers: int | None = None  # static estimate of live vector registers
+    budget: int | None = None
+    spill_moves: int | None = None  # CPU: vector register <-> stack moves in the asm
+    spill_bytes: int | None = None  # CUDA: spill bytes reported by ptxas
+    rejected: list[str] | None = None  # tiles / levels refused on the way, with their numbers
+
+    def __str__(self) -> str:
+        text = f"{self.kernel} [{self.chip}]: epilogue on the {self.decision} level"
+        if self.tile:
+            text += f", tile {self.tile}, {self.registers}/{self.budget} registers"
+        if self.spill_moves is not None:
+            text += f", {self.spill_moves} spill moves"
+        if self.spill_bytes is not None:
+            text += f", {self.spill_bytes} spill bytes"
+        if self.rejected:
+            text += "; rejected: " + "; ".join(self.rejected)
+        return text
+
+
+@tvm.transform.module_pass(opt_level=0, name="FuseEpilogue")
+class FuseEpilogue:
+    """Fuse every conv/matmul with its epilogue and schedule it; see the module docstring.
+
+    ``target``: chip name, Chip or tvm Target; None takes the target of the context.
+    ``measure``: compile each candidate and count spills (False: the static check only).
+    """
+
+    def __init__(self, target=None, measure: bool = True) -> None:
+        self.target, self.measure = target, measure
+        self.report: list[FusionRecord] = []
+
+    def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        chip = chips.get(self.target)
+        with chip.target:
+            # Phase 1. Graph level: legalize and group each anchor with its epilogue.
+            mod = fuse_graph(mod)
+            # Phases 2 and 3. Tuned or default schedules, after the register-pressure check.
+            mod, self.report = schedule_kernels(mod, chip, self.measure)
+        for record in self.report:
+            logger.info("%s", record)
+        return mod
+
+
+def schedule_kernels(
+    mod: tvm.IRModule, chip: chips.Chip, measure: bool = True
+) -> tuple[tvm.IRModule, list[FusionRecord]]:
+    """Schedule every conv/matmul kernel of a legalized module; returns a new module."""
+    # Phase 2. A MetaSchedule database in context takes precedence.
+    if ms.Database.current() is not None:
+        with chip.target:
+            mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
+    if chip.kind == "cuda":
+        return _schedule_gpu(mod, chip, measure)
+    # Phase 3. Our default schedule, after the register-pressure check.
+    records, updates = [], {}
+    for gvar, func in mod.functions.items():
+        anchor = conv_schedule.analyze(func) if isinstance(func, tvm.tirx.PrimFunc) else None
+        if anchor is None:
+            continue
+        if _is_scheduled(func):
+            records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
+            continue
+        updates[gvar], record = choose_schedule(func, anchor, chip, measure)
+        record.kernel = gvar.name_hint
+        records.append(record)
+    mod = mod.clone()  # never update the caller's module in place
+    for gvar, func in updates.items():
+        mod.update_func(gvar, func)
+    return mod, records
+
+
+def fuse_graph(mod: tvm.IRModule) -> tvm.IRModule:
+    """Relax-level fusion: each conv/matmul joins the elementwise ops that only it feeds."""
+    return tvm.transform.Sequential([
+        relax.transform.LegalizeOps(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FoldConstant(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ])(mod)
+
+
+def choose_schedule(
+    func: tvm.tirx.PrimFunc,
+    anchor: conv_schedule.Anchor,
+    chip: chips.Chip,
+    measure: bool = True,
+    tiles: list | None = None,
+) -> tuple[tvm.tirx.PrimFunc, FusionRecord]:
+    """The register-pressure check: walk tiles (largest first) and epilogue levels until one
+    fits the static budget and, when ``measure``, compiles without spills."""
+    budget = register_pressure.static_budget(chip, anchor.dtype)
+    rejected: list[str] = []
+    candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
+    for tile in candidates:
+        need = conv_schedule.live_vector_registers(anchor, tile, chip)
+        if need > budget:
+            rejected.append(f"tile {tile}: {need} live vector registers > {budget} on {chip.name}")
+            continue
+        for level in EPILOGUE_LEVELS[:2]:
+            scheduled = conv_schedule.schedule(func, chip, tile, level)
+            spills = register_pressure.measure(scheduled, chip).spill_moves if measure else None
+            if spills:
+                rejected.append(f"tile {tile} ({level}): {spills} spill moves")
+                continue
+            return scheduled, FusionRecord(
+                "", chip.name, _ops(anchor), level, tile=str(tile), registers=need,
+                budget=budget, spill_moves=spills, rejected=rejected,
+            )
+    # Nothing fits: the epilogue runs as its own loop nest after the conv, smallest tile.
+    tile = candidates[-1]
+    scheduled = conv_schedule.schedule(func, chip, tile, "separate")
+    return scheduled, FusionRecord(
+        "", chip.name, _ops(anchor), "separate", tile=str(tile),
+        registers=conv_schedule.live_vector_registers(anchor, tile, chip), budget=budget,
+        spill_moves=register_pressure.measure(scheduled, chip).spill_moves if measure else None,
+        rejected=rejected,
+    )
+
+
+def _schedule_gpu(
+    mod: tvm.IRModule, chip: chips.Chip, measure: bool
+) -> tuple[tvm.IRModule, list[FusionRecord]]:
+    """CUDA: dlight's default GPU rules (each thread keeps its accumulators and epilogue in
+    registers); ptxas reports the registers and spills of every conv/matmul kernel."""
+    anchors = {
+        gvar: anchor
+        for gvar, func in mod.functions.items()
+        if isinstance(func, tvm.tirx.PrimFunc) and (anchor := conv_schedule.analyze(func))
+    }
+    with chip.target:
+        mod = dl.ApplyDefaultSchedule(
+            dl.gpu.Matmul(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
+        )(mod)
+    records = []
+    for gvar, anchor in anchors.items():
+        record = FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "register",
+                              budget=register_pressure.CUDA_MAX_REGISTERS)
+        if measure:
+            spills = register_pressure.measure(mod[gvar], chip)
+            record.registers, record.spill_bytes = spills.registers, spills.spill_bytes
+        records.append(record)
+    return mod, records
+
+
+def _ops(anchor: conv_schedule.Anchor) -> list[str]:
+    return [anchor.kind, *anchor.epilogue]
+
+
+def _is_scheduled(func: tvm.tirx.PrimFunc) -> bool:
+    return bool(func.attrs and func.attrs.get("tir.is_scheduled", False))

@@ -1,0 +1,171 @@
+"""FuseEpilogue: one kernel per conv with its epilogue, numerics vs the unfused module compiled by
+TVM, the register-pressure check, and the cases that must stay correct."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from _util import assert_close, function, run, tensor_var
+from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, conv_schedule
+from tvm_bnfold.bench import kernel_count
+from tvm_bnfold.fuse_epilogue import choose_schedule, fuse_graph
+
+R = relax.op
+
+
+def _s(v: float) -> relax.Expr:
+    return relax.const(np.float32(v))
+
+
+# Activations as Relax ops and as the ONNX importer writes them out.
+ACTIVATIONS = {
+    "relu": lambda bb, y: R.nn.relu(y),
+    "relu6": lambda bb, y: R.clip(y, 0, 6),
+    "clip_max_min": lambda bb, y: R.minimum(bb.emit(R.maximum(y, _s(0))), _s(6)),
+    "leaky_relu": lambda bb, y: R.nn.leakyrelu(y, 0.1),
+    "hardsigmoid": lambda bb, y: R.clip(
+        bb.emit(R.add(bb.emit(R.multiply(y, _s(1 / 6))), _s(0.5))), 0, 1),
+    "hardswish_div": lambda bb, y: R.divide(
+        bb.emit(R.multiply(y, bb.emit(R.clip(bb.emit(R.add(y, _s(3))), 0, 6)))), _s(6)),
+    "hardswish_mul": lambda bb, y: R.multiply(
+        bb.emit(R.multiply(y, bb.emit(R.clip(bb.emit(R.add(y, _s(3))), 0, 6)))), _s(1 / 6)),
+    "sigmoid": lambda bb, y: R.sigmoid(y),
+    "silu": lambda bb, y: R.multiply(y, bb.emit(R.sigmoid(y))),
+    "gelu": lambda bb, y: R.nn.gelu(y),
+    "tanh": lambda bb, y: R.tanh(y),
+}
+
+
+def conv_act_module(act, residual=False, shape=(1, 8, 10, 10), cout=16, stride=1, seed=0):
+    """x -> conv3x3 -> + bias [-> + relu(x-sized residual)] -> act."""
+    rng = np.random.default_rng(seed)
+    w = relax.const(rng.normal(0, 0.3, (cout, shape[1], 3, 3)).astype("float32"))
+    b = relax.const(rng.normal(0, 0.5, (1, cout, 1, 1)).astype("float32"))
+    out_hw = (shape[2] - 1) // stride + 1
+    params = [tensor_var("x", shape)]
+    if residual:
+        params.append(tensor_var("r", (1, cout, out_hw, out_hw)))
+
+    def body(bb, x, *res):
+        y = bb.emit(R.add(bb.emit(R.nn.conv2d(x, w, strides=stride, padding=1)), b))
+        if residual:
+            y = bb.emit(R.add(y, res[0]))
+        return act(bb, y)
+
+    inputs = [rng.normal(size=[int(d) for d in p.ty.shape.values]).astype("float32")
+              for p in params]
+    return function(params, body), inputs
+
+
+def _fuse(mod, chip="avx512"):
+    fuse = FuseEpilogue()
+    with chips.target(chip):
+        out = fuse(mod)
+    return out, fuse.report
+
+
+# LLVM has no vector exp here: exp/tanh become scalar libm calls, and every call spills the
+# vector registers (measured). The check must see that and keep those epilogues off the tile.
+LIBM_ACTIVATIONS = {"sigmoid", "silu", "tanh"}
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_every_activation_becomes_one_kernel(act):
+    mod, inputs = conv_act_module(ACTIVATIONS[act])
+    out, report = _fuse(mod)
+    assert kernel_count(out) == 1
+    (record,) = report
+    if act in LIBM_ACTIVATIONS:
+        assert record.decision == "separate"
+        assert any("spill moves" in r for r in record.rejected)
+    else:
+        assert record.decision in ("register", "cache") and record.spill_moves == 0
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+@pytest.mark.parametrize("chip", ["avx512", "avx2"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_residual_add_then_relu_is_one_kernel(chip, stride):
+    mod, inputs = conv_act_module(ACTIVATIONS["relu"], residual=True, stride=stride)
+    out, report = _fuse(mod, chip)
+    assert kernel_count(out) == 1 and report[0].chip == chip
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+def test_intermediate_needed_elsewhere_stays_correct():
+    """The conv+bias result feeds relu and is also returned: never dropped by the fusion."""
+    rng = np.random.default_rng(1)
+    w = relax.const(rng.normal(0, 0.3, (16, 8, 3, 3)).astype("float32"))
+
+    def body(bb, x):
+        y = bb.emit(R.nn.conv2d(x, w, padding=1))
+        z = bb.emit(R.nn.relu(y))
+        return relax.Tuple([bb.emit(R.nn.max_pool2d(z, 2, 2)), y])
+
+    mod = function([tensor_var("x", (1, 8, 8, 8))], body)
+    x = rng.normal(size=(1, 8, 8, 8)).astype("float32")
+    out, _ = _fuse(mod)
+    vm_out = _run_tuple(out, x)
+    ref = _run_tuple(mod, x)
+    for a, b in zip(vm_out, ref, strict=True):
+        assert_close(a, b)
+
+
+def _run_tuple(mod, x):
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
+
+
+def test_without_a_target_is_a_clear_error():
+    mod, _ = conv_act_module(ACTIVATIONS["relu"])
+    with pytest.raises(BNFoldError, match="no target"):
+        FuseEpilogue()(mod)
+
+
+def test_oversized_register_tile_is_rejected_on_avx2_with_the_counts():
+    mod, _ = conv_act_module(ACTIVATIONS["relu"], shape=(1, 16, 16, 16), cout=64)
+    chip = chips.get("avx2")
+    fused = fuse_graph(mod)
+    (gvar,) = [g for g, f in fused.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    func = fused[gvar]
+    anchor = conv_schedule.analyze(func)
+    tiles = conv_schedule.candidate_tiles(anchor, chip)
+    huge = max((t for t in conv_schedule.candidate_tiles(anchor, chips.get("avx512"))),
+               key=lambda t: t.accumulators)
+    _, record = choose_schedule(func, anchor, chip, tiles=[huge, *tiles])
+    need = conv_schedule.live_vector_registers(anchor, huge, chip)
+    assert need > record.budget
+    assert f"{need} live vector registers > {record.budget} on avx2" in record.rejected[0]
+    assert record.decision in ("register", "cache") and record.spill_moves == 0
+
+
+def test_folded_small_model_commits_only_spill_free_kernels():
+    from tvm_bnfold import load_onnx
+    from tvm_bnfold.models import mobilenetv2, random_inputs
+
+    mod = FoldBN()(load_onnx(mobilenetv2(), shapes={"data": (1, 3, 32, 32)}))
+    out, report = _fuse(mod, "avx2")
+    committed = [r for r in report if r.decision in ("register", "cache")]
+    assert committed and all(r.spill_moves == 0 for r in committed)
+    assert kernel_count(out) <= 56
+    inputs = list(random_inputs(mod).values())
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+@pytest.mark.parametrize("chip", ["cuda-sm80", "cuda-sm90"])
+def test_cuda_kernels_report_ptxas_registers(chip):
+    from tvm_bnfold.register_pressure import ToolMissing, find_nvcc
+
+    try:
+        find_nvcc()
+    except ToolMissing as err:
+        pytest.skip(f"CUDA toolkit absent: {err}")
+    mod, _ = conv_act_module(ACTIVATIONS["silu"], residual=True)
+    out, report = _fuse(mod, chip)
+    (record,) = report
+    assert kernel_count(out) == 1
+    assert 0 < record.registers <= 255 and record.spill_bytes == 0
+    tvm.compile(out, target=chips.target(chip))  # CUDA code generation needs no GPU
