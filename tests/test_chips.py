@@ -42,3 +42,12 @@ def test_raw_targets_and_context():
 def test_no_target_at_all_is_a_clear_error():
     with pytest.raises(BNFoldError, match="no target"):
         chips.get()
+
+
+def test_runs_here_follows_the_host_cpu_flags():
+    flags = chips._host_cpu_flags()
+    assert chips.get("avx512").runs_here == ("avx512f" in flags)
+    assert chips.get("avx2").runs_here == ("avx2" in flags)
+    assert not chips.get("aarch64").runs_here and not chips.get("cuda-sm80").runs_here
+    if "avx2" in flags:
+        assert chips.host_chip().name == ("avx512" if "avx512f" in flags else "avx2")

@@ -146,7 +146,8 @@ def compare(mod: tvm.IRModule, name: str, chip: chips.Chip, repeat: int) -> list
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(BUILTIN))
-    parser.add_argument("--chips", default="avx512,avx2", help="chips that run on this machine")
+    parser.add_argument("--chips", default=",".join(
+        n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here), help="chips that run here")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
     models = args.models.split(",")

@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import tvm
 
@@ -23,8 +25,13 @@ class Chip:
     target_config: dict
     vector_bits: int
     vector_regs: int
-    runs_here: bool  # can this machine execute code built for it (else cross-compile only)
+    needs: str | None  # host CPU flag the code needs to run here (None: cross-compile only)
     host: dict | None = None
+
+    @property
+    def runs_here(self) -> bool:
+        """Can this machine execute code built for the chip (else it is cross-compile only)."""
+        return self.needs is not None and self.needs in _host_cpu_flags()
 
     @property
     def target(self) -> tvm.target.Target:
@@ -43,16 +50,17 @@ _HOST = {"kind": "llvm"}
 PRESETS: dict[str, Chip] = {
     c.name: c
     for c in (
-        Chip("avx512", "cpu", {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}, 512, 32, True),
-        Chip("avx2", "cpu", {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}, 256, 16, True),
+        Chip("avx512", "cpu", {"kind": "llvm", "mcpu": "znver4", "num-cores": 2}, 512, 32,
+             "avx512f"),
+        Chip("avx2", "cpu", {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}, 256, 16, "avx2"),
         Chip(
             "aarch64", "cpu",
             {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "neoverse-n1",
              "num-cores": 4},
-            128, 32, False,
+            128, 32, None,
         ),
-        Chip("cuda-sm80", "cuda", {"kind": "cuda", "arch": "sm_80"}, 32, 255, False, _HOST),
-        Chip("cuda-sm90", "cuda", {"kind": "cuda", "arch": "sm_90"}, 32, 255, False, _HOST),
+        Chip("cuda-sm80", "cuda", {"kind": "cuda", "arch": "sm_80"}, 32, 255, None, _HOST),
+        Chip("cuda-sm90", "cuda", {"kind": "cuda", "arch": "sm_90"}, 32, 255, None, _HOST),
     )
 }
 
@@ -71,6 +79,24 @@ def get(chip: str | Chip | tvm.target.Target | None = None) -> Chip:
             "no target: pass one (a chip name or tvm.target.Target) or use `with target:`"
         )
     return _from_target(target)
+
+
+def host_chip() -> Chip:
+    """The widest preset this machine runs (avx512 where the CPU has it, else avx2)."""
+    for name in ("avx512", "avx2"):
+        if PRESETS[name].runs_here:
+            return PRESETS[name]
+    raise BNFoldError("this CPU runs none of the presets (avx512, avx2)")
+
+
+@functools.cache
+def _host_cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
 
 
 def target(chip: str | Chip | tvm.target.Target) -> tvm.target.Target:
@@ -97,12 +123,14 @@ def _from_target(target: tvm.target.Target) -> Chip:
     host = config.pop("host", None)
     name = f"{kind}-{attrs.get('arch') or attrs.get('mcpu') or 'generic'}"
     if kind == "cuda":
-        return Chip(name, "cuda", config, 32, 255, False, host or _HOST)
+        return Chip(name, "cuda", config, 32, 255, None, host or _HOST)
     if kind != "llvm":
         raise BNFoldError(f"unsupported target kind {kind!r} (llvm and cuda are)")
     if attrs.get("mtriple", "").startswith("aarch64"):
-        return Chip(name, "cpu", config, 128, 32, False)
+        return Chip(name, "cpu", config, 128, 32, None)
     if "avx512" in attrs.get("mattr", "") or attrs.get("mcpu") in _AVX512_CPUS:
-        return Chip(name, "cpu", config, 512, 32, True)
+        return Chip(name, "cpu", config, 512, 32, "avx512f")
     # A named x86 CPU: assume AVX2; no mcpu at all: LLVM's generic x86-64 has only SSE2.
-    return Chip(name, "cpu", config, 256 if "mcpu" in attrs else 128, 16, True)
+    if "mcpu" in attrs:
+        return Chip(name, "cpu", config, 256, 16, "avx2")
+    return Chip(name, "cpu", config, 128, 16, "sse2")

@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         "demo", help="fold a model, compile it with TVM before/after and compare the outputs"
     )
     p.add_argument("--model", default="resnet50", help=model_help)
-    p.add_argument("--chip", default="avx512", help="a chip that runs here (avx512, avx2)")
+    p.add_argument("--chip", default=None,
+                   help="a chip that runs here (avx512, avx2); default: the widest one")
 
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -68,7 +69,7 @@ def _demo(args) -> None:
     before, after = op_counts(mod), op_counts(folded)
     print(f"BatchNorms: {before['nn.batch_norm']} -> {after['nn.batch_norm']}; "
           f"convs: {conv_count(before)} -> {conv_count(after)}")
-    chip = chips.get(args.chip)
+    chip = chips.get(args.chip) if args.chip else chips.host_chip()
     print(f"\nCompiling and timing three variants for {chip.name} (default schedules):")
     print_rows(compare(mod, args.model, chip, repeat=10))
 
