@@ -119,7 +119,9 @@ def variants(mod: tvm.IRModule, chip: chips.Chip) -> dict[str, tvm.IRModule]:
     ``unfused`` (each op its own kernel), ``stock`` (TVM's BatchNorm decomposition + fusion)
     and ``ours`` (FoldBN + FuseEpilogue)."""
     with chip.target:
-        unfused, _ = schedule_kernels(relax.transform.LegalizeOps()(mod), chip)
+        legalized = tvm.transform.Sequential(
+            [relax.transform.LegalizeOps(), relax.transform.FoldConstant()])(mod)
+        unfused, _ = schedule_kernels(legalized, chip)
         stock, _ = schedule_kernels(fuse_graph(tvm.transform.Sequential(STOCK_TVM)(mod)), chip)
         ours = FuseEpilogue(chip)(FoldBN()(mod))
     return {"unfused": unfused, "stock": stock, "ours": ours}
