@@ -145,7 +145,8 @@ class _Analysis:
         # uses them) are dead: they do not count as uses of the tuple.
         self.dead = set()
         for var, val in self.var2val.items():
-            if isinstance(val, relax.TupleGetItem) and self.uses.get(var, 0) == 0:
+            if (isinstance(val, relax.TupleGetItem) and self.uses.get(var, 0) == 0
+                    and isinstance(val.tuple_value, relax.Var)):
                 self.dead.add(var)
                 self.uses[val.tuple_value] -= 1
 
@@ -308,7 +309,7 @@ def _plan(info: _Analysis, bn_var, call, record: FoldRecord):
         fold_math.cast_checked(t, dtype, "shift")
         record.action, record.reason = "scale-shift", f"not folded: {err}"
         return getitems[0], _Plan(data, s, t, axis, None), consumed
-    record.action, record.into = "folded", _names(tree)
+    record.action, record.into = "folded", [leaf.name for leaf in _flat(tree)]
     consumed |= _tree_vars(info, data, tree)
     return getitems[0], _Plan(data, s, t, axis, tree), consumed
 
@@ -340,10 +341,6 @@ def _leaves(tree, s, t):
             sl = slice(start, start + size)
             yield from _leaves(part, s[sl], t[sl] if t is not None else None)
             start += size
-
-
-def _names(tree) -> list[str]:
-    return [leaf.name for leaf in _flat(tree)]
 
 
 def _flat(tree):
