@@ -124,6 +124,7 @@ class _Knobs:
     unroll_budget: int = 128  # unrolled reduction steps x accumulators (more: LLVM spills)
     l2_block_bytes: int = 256 * 1024  # weights of one cache block of rows
     max_candidates: int = 8
+    shapes_per_size: int = 2  # candidates per accumulator count (another shape may not spill)
 
     @staticmethod
     def of(chip: chips.Chip, dtype: str) -> _Knobs:
@@ -405,7 +406,9 @@ def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
     best = max(scored, key=lambda st: (round(st[0], 3), st[1].accumulators, st[1].vec))[1]
     out = [best]
     for _, tile in sorted(scored, key=lambda st: (-st[1].accumulators, -st[0], -st[1].vec)):
-        if tile.accumulators < out[-1].accumulators and len(out) < knobs.max_candidates:
+        same = sum(t.accumulators == tile.accumulators for t in out)
+        fits = tile.accumulators <= best.accumulators and same < knobs.shapes_per_size
+        if fits and tile not in out and len(out) < knobs.max_candidates:
             out.append(tile)
     return [_with_block_rows(anchor, t, knobs) for t in out]
 
@@ -417,13 +420,9 @@ def live_vector_registers(anchor: Anchor, tile: Tile, chip) -> int:
     del chip  # the tile carries the chip's lanes
     # Shared inputs: either the step's input vectors stay live while the weight broadcasts
     # stream, or the broadcasts stay live while the inputs stream (LLVM picks the cheaper one).
-    # Depthwise: one broadcast and the input vector it multiplies.
+    # Depthwise: a broadcast per channel row (reused across its vectors), the input, one spare.
     shared = min(tile.rows, tile.hrows * tile.vectors) + 1
-    temporaries = shared if anchor.shared_input else 2
-    if _odd_tail(anchor.width, tile):
-        # A tail of 7 or 14 lanes is legalized in pieces (4 + 2 + 1): one more register per
-        # accumulator row while it is assembled.
-        temporaries += tile.rows * tile.hrows
+    temporaries = shared if anchor.shared_input else tile.rows + 2
     return tile.accumulators + temporaries + anchor.epilogue_operands + anchor.epilogue_constants
 
 
