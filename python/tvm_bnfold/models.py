@@ -200,7 +200,17 @@ def _linear(rng: np.random.Generator, out_features: int, in_features: int) -> li
     return [rng.standard_normal(s, dtype=np.float32) * np.float32(0.01) for s in shapes]
 
 
-def _make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+def _make_model(
+    nodes: list[onnx.NodeProto], name: str, output: str, params: dict[str, np.ndarray]
+) -> onnx.ModelProto:
+    """A 224x224 classifier: input ``data``, output ``output`` (1, 1000), weights ``params``."""
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, [1, 3, 224, 224])],
+        [helper.make_tensor_value_info(output, TensorProto.FLOAT, [1, 1000])],
+        initializer=[numpy_helper.from_array(a, n) for n, a in params.items()],
+    )
     return helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", _OPSET)],
@@ -269,14 +279,7 @@ def resnet50(seed: int = 0) -> onnx.ModelProto:
             op = "Add"
         nodes.append(helper.make_node(op, ins, outs, name=name, **attrs))
 
-    graph = helper.make_graph(
-        nodes,
-        "resnet50",
-        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, [1, 3, 224, 224])],
-        [helper.make_tensor_value_info("prob", TensorProto.FLOAT, [1, 1000])],
-        initializer=[numpy_helper.from_array(a, name) for name, a in params.items()],
-    )
-    return _make_model(graph)
+    return _make_model(nodes, "resnet50", "prob", params)
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,14 +356,7 @@ def mobilenetv2(seed: int = 0) -> onnx.ModelProto:
     params["fc_w"], params["fc_b"] = _linear(rng, 1000, 1280)
     node("Gemm", [x, "fc_w", "fc_b"], "logits", transB=1)
 
-    graph = helper.make_graph(
-        nodes,
-        "mobilenetv2",
-        [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, [1, 3, 224, 224])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1000])],
-        initializer=[numpy_helper.from_array(a, name) for name, a in params.items()],
-    )
-    return _make_model(graph)
+    return _make_model(nodes, "mobilenetv2", "logits", params)
 
 
 BUILTIN: dict[str, Callable[[], onnx.ModelProto]] = {
