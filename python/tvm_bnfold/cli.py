@@ -11,7 +11,7 @@ from collections import Counter
 import tvm
 
 from . import chips
-from .bench import compare, conv_count, op_counts, print_rows
+from .bench import compare, conv_count, op_counts, print_rows, use_all_cores
 from .errors import BNFoldError
 from .fold_bn import FoldBN
 from .models import BUILTIN, get_model, load_onnx
@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="a chip that runs here (avx512, avx2); default: the widest one")
 
     args = parser.parse_args(argv)
+    use_all_cores()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(message)s"
     )
