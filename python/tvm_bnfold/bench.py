@@ -83,16 +83,16 @@ def _nbytes(var: relax.Var) -> int:
 
 
 def latency(mod: tvm.IRModule, inputs: list[np.ndarray], target, repeat: int = 10):
-    """Build ``mod`` and time ``main``: (median, p90) seconds over ``repeat`` runs."""
+    """Build ``mod`` once and time ``main``: (median s, p90 s, the output) over ``repeat`` runs."""
     vm = relax.VirtualMachine(tvm.compile(mod, target=target), tvm.cpu())
     args = [tvm.runtime.tensor(x) for x in inputs]
-    vm["main"](*args)  # warm up
+    out = vm["main"](*args).numpy()  # warm-up run, also the output
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
         vm["main"](*args)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), float(np.percentile(times, 90))
+    return statistics.median(times), float(np.percentile(times, 90)), out
 
 
 def run_once(mod: tvm.IRModule, inputs: list[np.ndarray], target="llvm") -> np.ndarray:
@@ -138,8 +138,7 @@ def compare(mod: tvm.IRModule, name: str, chip: chips.Chip, repeat: int) -> list
     inputs = list(random_inputs(mod).values())
     rows, ref = [], None
     for variant, vmod in variants(mod, chip).items():
-        median, p90 = latency(vmod, inputs, chip.target, repeat)
-        out = run_once(vmod, inputs, chip.target)
+        median, p90, out = latency(vmod, inputs, chip.target, repeat)
         ref = out if ref is None else ref
         rows.append(dict(model=name, chip=chip.name, variant=variant, median_ms=median * 1e3,
                          p90_ms=p90 * 1e3, kernels=kernel_count(vmod),
