@@ -4,7 +4,16 @@ import numpy as np
 from tvm import relax
 
 from _util import function, tensor_var
-from tvm_bnfold.bench import intermediate_bytes, kernel_count
+from tvm_bnfold.bench import (
+    COLUMNS,
+    NOT_RUN,
+    cell,
+    intermediate_bytes,
+    kernel_count,
+    model_flops,
+    parameter_bytes,
+    sgemm_peak,
+)
 from tvm_bnfold.fuse_epilogue import fuse_graph
 
 R = relax.op
@@ -35,3 +44,22 @@ def test_intermediate_bytes_counts_one_write_and_each_read():
     assert intermediate_bytes(relax.transform.LegalizeOps()(_two_convs())) == 3 * 2 * tensor
     # Fused: only the relu output goes from the first kernel to the second.
     assert intermediate_bytes(fuse_graph(_two_convs())) == 2 * tensor
+
+
+def test_parameter_bytes_and_flops():
+    mod = _two_convs()
+    assert parameter_bytes(mod) == (2 * 4 * 4 + 4) * 4  # two 4x4x1x1 weights and a bias
+    assert model_flops(mod) == 2 * 2 * (4 * 8 * 8) * 4  # two 1x1 convs: 4 MACs per output
+
+
+def test_cells_say_not_run_instead_of_a_number():
+    row = {"median_ms": None, "p90_ms": None, "latency": NOT_RUN, "kernels": 5}
+    cells = {key: cell(row, key, fmt) for key, _, fmt in COLUMNS}
+    assert cells["median_ms"] == NOT_RUN
+    assert cells["p90_ms"] == cells["max_abs_err"] == "-"
+    assert cells["kernels"] == "5"
+    assert cell({"median_ms": 1234.56}, "median_ms", COLUMNS[0][2]) == "1234.6"
+
+
+def test_sgemm_peak_is_positive():
+    assert sgemm_peak(n=128, repeat=2) > 0

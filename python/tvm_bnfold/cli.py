@@ -1,4 +1,7 @@
-"""The ``tvm-bnfold`` command."""
+"""The ``tvm-bnfold`` command: fold, compile, tune, bench, report, demo.
+
+MODEL is an ONNX file or a built-in model name. User errors print one line and exit 2.
+"""
 
 from __future__ import annotations
 
@@ -7,72 +10,272 @@ import logging
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import tvm
 
-from . import chips
-from .bench import compare, conv_count, op_counts, print_rows, use_all_cores
+from . import bench, chips, report
 from .errors import BNFoldError
 from .fold_bn import FoldBN
+from .fuse_epilogue import FuseEpilogue
 from .models import BUILTIN, get_model, load_onnx
 
 logger = logging.getLogger("tvm_bnfold")
+PROG = "tvm-bnfold"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (no usage dump)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Fold inference BatchNorm into conv/dense weights and fuse conv epilogues "
+                    "on the register tile, for Apache TVM (Relax).",
+        epilog=f"MODEL: an ONNX file or a built-in model ({', '.join(BUILTIN)}). "
+               f"Chips: {', '.join(chips.PRESETS)}. `{PROG} COMMAND --help` explains each.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log every decision; show tracebacks of internal errors")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=_Parser)
+    model_help = f"an ONNX file or a built-in model ({', '.join(BUILTIN)})"
+    chip_help = f"chip preset ({', '.join(chips.PRESETS)})"
+
+    p = sub.add_parser("fold", help="run FoldBN; print what folded into what, and what not and why",
+                       description="Run FoldBN on MODEL and print one line per BatchNorm: the "
+                                   "conv/matmul it folded into, or why it stayed.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+
+    p = sub.add_parser("compile", help="FoldBN + FuseEpilogue (+ tuned schedules) -> a .so",
+                       description="FoldBN + FuseEpilogue, with the tuned schedules of "
+                                   "tuning_logs/<chip>/<model>/ when present, exported with "
+                                   "export_library. Load it with tvm.runtime.load_module and "
+                                   "run it with relax.VirtualMachine.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    p.add_argument("--chip", required=True, help=chip_help)
+    p.add_argument("-o", "--output", required=True, help="the shared library to write (.so)")
+
+    p = sub.add_parser("tune", help="tune MODEL's kernels for a chip with MetaSchedule",
+                       description="Tune MODEL after FoldBN + FuseEpilogue with MetaSchedule "
+                                   "(XGBoost cost model, register check in the search). The "
+                                   "database goes to tuning_logs/<chip>/<model>/ (or --work-dir)"
+                                   "; compile, bench, report and demo pick it up.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    p.add_argument("--chip", required=True, help=chip_help)
+    p.add_argument("--trials", type=int, required=True, help="total trial budget (> 0)")
+    p.add_argument("--work-dir", help="database directory (default tuning_logs/<chip>/<model>)")
+    p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on TVM RPC servers")
+    p.add_argument("--rpc-key", metavar="KEY", help="device key of the RPC servers")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    p = sub.add_parser("bench", help="time every variant of MODEL on a chip that runs here",
+                       description="Compile and time MODEL as: unfused, stock TVM, FoldBN only, "
+                                   "FoldBN+FuseEpilogue (default schedule), tuned (when "
+                                   "tuning_logs/ has it) and ONNX Runtime, side by side; "
+                                   "kernels, bytes, registers and errors too.")
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    p.add_argument("--chip", help=chip_help + "; must run here (default: the host's widest)")
+    p.add_argument("--repeat", type=int, default=20, help="timed runs per variant (median)")
+
+    p = sub.add_parser("report", help="comparison report across chips: report.md/.html + plots",
+                       description="Write report.md, a self-contained report.html and PNG "
+                                   "plots to --out. Chips that cannot run here get static "
+                                   "columns only and 'not run: no device' for latency.")
+    p.add_argument("--chips", help="comma-separated chip presets (default: the host's widest)")
+    p.add_argument("--models", default=",".join(BUILTIN),
+                   help="comma-separated models (ONNX files or built-in names)")
+    p.add_argument("--out", required=True, help="output directory, e.g. reports/NAME")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs per variant (median)")
+
+    p = sub.add_parser("demo", help="fold, fuse, compare with the unfused model, small report",
+                       description="On MODEL: the fold summary, BatchNorm and kernel counts "
+                                   "before/after, latency unfused vs ours (tuned when "
+                                   "tuning_logs/ has the host chip), max error, and a small "
+                                   "report in --out.")
+    p.add_argument("--model", default="resnet50", help=model_help)
+    p.add_argument("--chip", help="a chip that runs here (default: the host's widest)")
+    p.add_argument("--out", default="reports/demo", help="report directory (default %(default)s)")
+    p.add_argument("--repeat", type=int, default=10, help="timed runs per variant (median)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="tvm-bnfold",
-        description="Fold inference BatchNorm into conv/dense weights for Apache TVM (Relax).",
-    )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every decision")
-    sub = parser.add_subparsers(dest="command", required=True)
-    model_help = f"an ONNX file or a built-in model ({', '.join(BUILTIN)})"
-
-    p = sub.add_parser("fold", help="run FoldBN and print what folded into what, or why not")
-    p.add_argument("model", help=model_help)
-
-    p = sub.add_parser(
-        "demo", help="fold a model, compile it with TVM before/after and compare the outputs"
-    )
-    p.add_argument("--model", default="resnet50", help=model_help)
-    p.add_argument("--chip", default=None,
-                   help="a chip that runs here (avx512, avx2); default: the widest one")
-
-    args = parser.parse_args(argv)
-    use_all_cores()
+    args = _parser().parse_args(argv)
+    bench.use_all_cores()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(message)s"
     )
+    commands = {"fold": _fold, "compile": _compile, "tune": _tune, "bench": _bench,
+                "report": _report, "demo": _demo}
     try:
-        {"fold": _fold, "demo": _demo}[args.command](args)
+        commands[args.command](args)
     except (BNFoldError, OSError) as err:
-        print(f"tvm-bnfold: error: {err}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug or a TVM failure: one line unless --verbose
+        if args.verbose:
+            raise
+        print(f"{PROG}: internal error: {type(err).__name__}: {_one_line(err)} "
+              "(run with -v for the traceback)", file=sys.stderr)
+        return 1
     return 0
 
 
-def _fold(args) -> tuple[tvm.IRModule, tvm.IRModule, FoldBN]:
+def _one_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__
+
+
+def _run_chip(name: str | None) -> chips.Chip:
+    """A chip that runs here: ``name`` or the host's widest."""
+    chip = chips.get(name) if name else chips.host_chip()
+    if not (chip.runs_here and chip.kind == "cpu"):
+        raise BNFoldError(
+            f"chip {chip.name} cannot run on this machine; run chips: "
+            f"{', '.join(n for n, c in chips.PRESETS.items() if c.runs_here) or 'none'} "
+            f"(`{PROG} report --chips {chip.name}` gives its static columns)")
+    return chip
+
+
+def _positive(value: int, what: str) -> int:
+    if value <= 0:
+        raise BNFoldError(f"{what} must be > 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def _fold_summary(fold: FoldBN) -> str:
+    """Counts per action, with the reasons of what did not fold."""
+    groups = Counter((r.action, r.reason) for r in fold.report)
+    parts = [f"{n} {action}" + (f" ({reason})" if reason else "")
+             for (action, reason), n in sorted(groups.items())]
+    return f"{len(fold.report)} BatchNorms: " + "; ".join(parts)
+
+
+def _fold(args) -> None:
     mod = load_onnx(get_model(args.model))
     fold = FoldBN()
     start = time.perf_counter()
-    folded = fold(mod)
+    fold(mod)
     seconds = time.perf_counter() - start
     for record in fold.report:
         print(f"  {record}")
-    actions = Counter(r.action for r in fold.report)
-    print(f"{args.model}: {len(fold.report)} BatchNorms: " +
-          ", ".join(f"{n} {a}" for a, n in sorted(actions.items())) + f" ({seconds:.2f} s)")
-    return mod, folded, fold
+    print(f"{args.model}: {_fold_summary(fold)} ({seconds:.2f} s)")
+
+
+def _fold_fuse(model: str, chip: chips.Chip) -> tvm.IRModule:
+    mod = load_onnx(get_model(model))
+    with chip.target:
+        return FuseEpilogue(chip)(FoldBN()(mod))
+
+
+def _compile(args) -> None:
+    chip = chips.get(args.chip)
+    output = Path(args.output)
+    if not output.parent.is_dir():
+        raise BNFoldError(f"output directory does not exist: {output.parent}")
+    mod = _fold_fuse(args.model, chip)
+    name = report.model_name(args.model)
+    ex = bench.build_tuned(mod, chip, name)
+    tuned = ex is not None
+    if ex is None:
+        ex = tvm.compile(mod, target=chip.target)
+    try:
+        ex.export_library(str(output))
+    except Exception as err:  # a cross compiler (aarch64) or nvcc (CUDA) may be missing
+        raise BNFoldError(f"cannot export the {chip.name} library to {output}: "
+                          f"{_one_line(err)}") from err
+    schedules = f"tuned schedules from {bench.tuning_dir(chip, name)}" if tuned else \
+        "default schedules (no tuning database)"
+    print(f"wrote {output} ({chip.name}, {bench.kernel_count(mod)} kernels, {schedules})")
+
+
+def _tune(args) -> None:
+    chip = chips.get(args.chip)
+    _positive(args.trials, "--trials")
+    if bool(args.rpc_tracker) != bool(args.rpc_key):
+        raise BNFoldError("--rpc-tracker and --rpc-key go together")
+    if args.rpc_tracker:
+        host, _, port = args.rpc_tracker.rpartition(":")
+        if not host or not port.isdigit():
+            raise BNFoldError(f"--rpc-tracker must be HOST:PORT, got {args.rpc_tracker!r}")
+    try:
+        from .tune import tune
+    except ImportError as err:
+        raise BNFoldError(f"tuning is not available: {err}") from err
+    name = report.model_name(args.model)
+    work_dir = Path(args.work_dir) if args.work_dir else bench.TUNING_LOGS / chip.name / name
+    mod = _fold_fuse(args.model, chip)
+    tune(mod, chip, str(work_dir), args.trials, quiet=args.quiet,
+         rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
+    print(f"tuning database: {work_dir}")
+
+
+def _bench(args) -> None:
+    chip = _run_chip(args.chip)
+    _positive(args.repeat, "--repeat")
+    proto = get_model(args.model)
+    mod = load_onnx(proto)
+    rows, _ = bench.compare(mod, report.model_name(args.model), chip, args.repeat, proto,
+                            report.progress)
+    peak = bench.sgemm_peak()
+    bench.print_rows(rows)
+    print(f"practical peak (2048^3 fp32 sgemm, numpy BLAS): {peak:.1f} GFLOP/s")
+    bench.print_peak(rows, bench.model_flops(mod) / 1e9, peak)
+
+
+def _report(args) -> None:
+    _positive(args.repeat, "--repeat")
+    chip_names = [c for c in (args.chips or chips.host_chip().name).split(",") if c]
+    models = [m for m in args.models.split(",") if m]
+    if not chip_names or not models:
+        raise BNFoldError("--chips and --models need at least one name each")
+    for name in chip_names:
+        chips.get(name)  # unknown chip: error before any work
+    for model in models:
+        get_model(model)
+    report.run(chip_names, models, args.out, args.repeat)
 
 
 def _demo(args) -> None:
-    mod, folded, _ = _fold(args)
-    before, after = op_counts(mod), op_counts(folded)
-    print(f"BatchNorms: {before['nn.batch_norm']} -> {after['nn.batch_norm']}; "
-          f"convs: {conv_count(before)} -> {conv_count(after)}")
-    chip = chips.get(args.chip) if args.chip else chips.host_chip()
-    print(f"\nCompiling and timing three variants for {chip.name} (default schedules):")
-    print_rows(compare(mod, args.model, chip, repeat=10))
+    chip = _run_chip(args.chip)
+    _positive(args.repeat, "--repeat")
+    proto = get_model(args.model)
+    mod = load_onnx(proto)
+    name = report.model_name(args.model)
+    fold = FoldBN()
+    folded = fold(mod)
+    print(f"{name}: {_fold_summary(fold)}")
+    before, after = bench.op_counts(mod), bench.op_counts(folded)
+    print(f"BatchNorms: {before['nn.batch_norm']} -> {after['nn.batch_norm']}")
+
+    tuned = bench.tuning_dir(chip, name)
+    print(f"\nCompiling and timing on {chip.name} ("
+          + (f"tuned schedules from {tuned}" if tuned else "default schedules") + ") ...")
+    results = report.collect([chip.name], [args.model], args.repeat, baselines=("unfused",))
+    rows = {r["variant"]: r for r in results[0].rows}
+    ours = rows.get("tuned", rows["ours"])
+    print(f"kernels: {rows['unfused']['kernels']} -> {ours['kernels']}; intermediate MB: "
+          f"{rows['unfused']['intermediate_mb']:.3g} -> {ours['intermediate_mb']:.3g}")
+    print(f"latency (median of {args.repeat}): unfused {rows['unfused']['median_ms']:.3g} ms, "
+          f"ours ({bench.VARIANTS[ours['variant']]}) {ours['median_ms']:.3g} ms: "
+          f"{ours['speedup_vs_unfused']:.2f}x")
+    print(f"max abs error vs unfused: {ours['max_abs_err']:.2e}\n")
+    bench.print_rows(results[0].rows)
+    paths = report.write(results, args.out, title=f"tvm-bnfold demo: {name} on {chip.name}")
+    print(f"\nreport: {paths['md']} and {paths['html']}")
 
 
 if __name__ == "__main__":

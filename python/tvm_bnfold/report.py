@@ -1,0 +1,323 @@
+"""Comparison reports across chips: ``report.md``, a self-contained ``report.html`` and PNG plots.
+
+    results = collect(["avx2", "aarch64"], ["resnet50"], repeat=10)
+    write(results, "reports/NAME")
+
+Every variant of :data:`bench.VARIANTS` per chip and model. Chips that cannot run here get only
+their static columns (kernel count, bytes, registers and spills from the LLVM asm or ``ptxas``)
+and "not run: no device" for latency: no number is invented.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import bench, chips
+from .errors import BNFoldError
+from .fuse_epilogue import FusionRecord
+from .models import get_model, load_onnx
+from .register_pressure import ToolMissing
+
+
+@dataclass
+class Result:
+    """One chip and model: the variant rows of :func:`bench.compare` and the records of the
+    FoldBN+FuseEpilogue kernels."""
+
+    chip: chips.Chip
+    model: str
+    rows: list[dict]
+    records: list[FusionRecord]
+    gflop: float
+    note: str = ""  # e.g. why registers/spills are missing
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr."""
+    print(f"[tvm-bnfold] {message}", file=sys.stderr, flush=True)
+
+
+def model_name(model: str) -> str:
+    """A built-in name as is, an ONNX path by its file stem."""
+    return Path(model).stem if model.endswith(".onnx") else model
+
+
+def collect(
+    chip_names: Sequence[str],
+    models: Sequence[str],
+    repeat: int = 10,
+    say: Callable[[str], None] = progress,
+    baselines: tuple[str, ...] = ("unfused", "stock", "foldbn"),
+) -> list[Result]:
+    """Measure every variant per chip and model (see the module docstring); ``baselines``
+    as in :func:`bench.compare`."""
+    selected = [chips.get(c) for c in chip_names]  # unknown chips fail before any work
+    results = []
+    for model in models:
+        proto = get_model(model)
+        mod = load_onnx(proto)
+        name = model_name(model)
+        for chip in selected:
+            note = ""
+            try:
+                rows, found = bench.compare(mod, name, chip, repeat, proto, say,
+                                            baselines=baselines)
+            except ToolMissing as err:  # ptxas/nvcc absent: static estimate only
+                note = f"registers/spills not measured: {err}"
+                say(f"{chip.name}/{name}: {note}")
+                rows, found = bench.compare(mod, name, chip, repeat, proto, say,
+                                            measure=False, baselines=baselines)
+            results.append(Result(chip, name, rows, found["ours"].records or [],
+                                  bench.model_flops(mod) / 1e9, note))
+    return results
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_latency(results: list[Result], model: str, path: Path) -> None:
+    """Latency bars (median, p90 as the whisker) per variant, grouped by chip."""
+    plt = _pyplot()
+    mine = [r for r in results if r.model == model]
+    names = [v for v in bench.VARIANTS if any(row["variant"] == v for r in mine for row in r.rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(mine)), 4.2))
+    width = 0.8 / max(len(names), 1)
+    for i, variant in enumerate(names):
+        xs, ys, errs = [], [], []
+        for x, r in enumerate(mine):
+            row = next((row for row in r.rows if row["variant"] == variant), None)
+            if row and row.get("median_ms") is not None:
+                xs.append(x + (i - (len(names) - 1) / 2) * width)
+                ys.append(row["median_ms"])
+                errs.append(row["p90_ms"] - row["median_ms"])
+        ax.bar(xs, ys, width, yerr=[np.zeros(len(errs)), errs], capsize=2,
+               label=bench.VARIANTS[variant])
+    for x, r in enumerate(mine):
+        if all(row.get("median_ms") is None for row in r.rows):
+            ax.text(x, 0.5, bench.NOT_RUN, transform=ax.get_xaxis_transform(), ha="center",
+                    va="center", rotation=90, color="gray")
+    ax.set_xticks(range(len(mine)), [r.chip.name for r in mine])
+    ax.set_ylabel("latency per image, ms (median; whisker: p90)")
+    ax.set_title(f"{model}: latency per variant and chip")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    _save(fig, path)
+
+
+def plot_kernels(results: list[Result], path: Path) -> None:
+    """Kernel count before (unfused) and after (FoldBN+FuseEpilogue) per model and chip."""
+    plt = _pyplot()
+    labels = [f"{r.model}\n{r.chip.name}" for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(results)), 4))
+    xs = np.arange(len(results))
+    for offset, variant, label in ((-0.2, "unfused", "before (unfused)"),
+                                   (0.2, "ours", "after (FoldBN+FuseEpilogue)")):
+        counts = [_row(r, variant)["kernels"] for r in results]
+        bars = ax.bar(xs + offset, counts, 0.4, label=label)
+        ax.bar_label(bars, fontsize=7)
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("kernels launched")
+    ax.set_ylim(0, max(_row(r, "unfused")["kernels"] for r in results) * 1.3)
+    ax.set_title("Kernel count before / after")
+    ax.legend(loc="upper center", ncol=2, fontsize=8)
+    _save(fig, path)
+
+
+_DECISION_COLORS = {"register": "tab:blue", "cache": "tab:orange", "separate": "tab:gray",
+                    "database": "tab:green"}
+
+
+def plot_registers(results: list[Result], model: str, path: Path) -> None:
+    """Registers of every FoldBN+FuseEpilogue kernel against the chip's budget, per chip.
+    CPU: the static estimate of live vector registers; CUDA: registers per thread (ptxas).
+    Bar colour: where the epilogue went; red edge: the kernel spills."""
+    plt = _pyplot()
+    mine = [r for r in results if r.model == model]
+    fig, axes = plt.subplots(len(mine), 1, figsize=(11, 2.8 * len(mine)), squeeze=False)
+    for ax, r in zip(axes[:, 0], mine, strict=True):
+        recs = [rec for rec in r.records if rec.registers is not None]
+        spills = [(rec.spill_bytes or rec.spill_moves or 0) for rec in recs]
+        ax.bar(range(len(recs)), [rec.registers for rec in recs],
+               color=[_DECISION_COLORS.get(rec.decision, "tab:purple") for rec in recs],
+               edgecolor=["red" if s else "none" for s in spills], linewidth=2)
+        budget = next((rec.budget for rec in r.records if rec.budget), None)
+        if budget:
+            ax.axhline(budget, color="black", linestyle="--", linewidth=1)
+            ax.text(len(recs) - 0.5, budget, f"budget {budget}", ha="right", va="bottom",
+                    fontsize=8)
+        kind = "registers / thread\n(ptxas)" if r.chip.kind == "cuda" else "live vector\nregisters"
+        ax.set_ylabel(kind, fontsize=8)
+        spilled = sum(1 for s in spills if s)
+        ax.set_title(f"{model} on {r.chip.name}: {len(recs)} kernels, {spilled} spill"
+                     + (f" ({r.note})" if r.note else ""), fontsize=9)
+        ax.set_xticks(range(len(recs)), [rec.kernel for rec in recs], rotation=90, fontsize=5)
+        if budget:
+            ax.set_ylim(0, budget * 1.15)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _DECISION_COLORS.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="red", linewidth=2))
+    fig.legend(handles, [f"epilogue: {d}" for d in _DECISION_COLORS] + ["spills"],
+               loc="upper center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    _save(fig, path)
+
+
+def _row(result: Result, variant: str) -> dict:
+    return next(row for row in result.rows if row["variant"] == variant)
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=90, bbox_inches="tight")
+    _pyplot().close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# report.md and report.html
+# --------------------------------------------------------------------------------------------
+
+HEADER = ["chip", "variant", *(h for _, h, _ in bench.COLUMNS)]
+
+
+def _table(results: list[Result], model: str) -> list[list[str]]:
+    lines = []
+    for r in results:
+        if r.model != model:
+            continue
+        for row in r.rows:
+            cells = [r.chip.name, bench.VARIANTS[row["variant"]]]
+            for key, _, fmt in bench.COLUMNS:
+                text = bench.cell(row, key, fmt)
+                if key == "max_registers" and row["variant"] == "ours" and r.note:
+                    text = r.note
+                cells.append(text)
+            lines.append(cells)
+    return lines
+
+
+def _notes(results: list[Result], peak: float | None) -> list[str]:
+    notes = [
+        "Latency: median and p90 per image, batch 1, fp32, "
+        f"{os.environ.get('TVM_NUM_THREADS', '?')} TVM threads, all variants of a chip timed "
+        "side by side in one process. Speedups are over the unfused and stock-TVM rows.",
+        "Variants: unfused = every op its own kernel; stock = TVM's DecomposeOpsForInference + "
+        "FuseOps + FuseTIR; every TVM variant gets our default conv/matmul schedule. ONNX Runtime "
+        "runs with all graph optimizations and one intra-op thread per core.",
+        "max regs / max spills: the largest over the conv/matmul kernels (CPU: static estimate of "
+        "live vector registers and vector spill moves counted in the LLVM asm; CUDA: registers "
+        "per thread and spill bytes from ptxas -v). rejected: kernels whose epilogue the "
+        "register check kept off the register tile.",
+    ]
+    not_run = sorted({r.chip.name for r in results if not r.chip.runs_here})
+    if not_run:
+        notes.append(f"{', '.join(not_run)}: cannot run on this machine ({_cpu()}), so only "
+                     f"static columns; latency says \"{bench.NOT_RUN}\".")
+    if peak:
+        for r in results:
+            for row in r.rows:
+                if row["variant"] in ("ours", "tuned") and row.get("median_ms"):
+                    gflops = r.gflop / (row["median_ms"] / 1e3)
+                    notes.append(f"{r.model} on {r.chip.name}, {bench.VARIANTS[row['variant']]}: "
+                                 f"{gflops:.1f} GFLOP/s = {gflops / peak:.0%} of the sgemm peak.")
+    return notes
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.partition(':')[2].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write(
+    results: list[Result], out: str | os.PathLike, peak: float | None = None,
+    title: str = "tvm-bnfold comparison report",
+) -> dict[str, Path]:
+    """Write report.md, report.html (plots embedded as data URIs) and the PNGs into ``out``."""
+    if not results:
+        raise BNFoldError("nothing to report: no chip/model results")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = list(dict.fromkeys(r.model for r in results))
+    plots: list[tuple[str, Path]] = [("Kernel count before / after", out / "kernels.png")]
+    plot_kernels(results, plots[0][1])
+    for model in models:
+        plots.append((f"{model}: latency per variant and chip", out / f"latency_{model}.png"))
+        plot_latency(results, model, plots[-1][1])
+        plots.append((f"{model}: registers vs budget per fused kernel",
+                      out / f"registers_{model}.png"))
+        plot_registers(results, model, plots[-1][1])
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = f"{_cpu()}; generated {stamp}"
+    if peak:
+        machine += f"; practical peak (2048^3 fp32 sgemm, numpy BLAS): {peak:.1f} GFLOP/s"
+    notes = _notes(results, peak)
+    tables = {m: _table(results, m) for m in models}
+
+    md = [f"# {title}", "", machine, ""]
+    for model, lines in tables.items():
+        md += [f"## {model}", "", "| " + " | ".join(HEADER) + " |",
+               "|" + "---|" * len(HEADER)]
+        md += ["| " + " | ".join(cells) + " |" for cells in lines]
+        md.append("")
+    md += ["## Plots", ""] + [f"![{t}]({p.name})" for t, p in plots] + ["", "## Notes", ""]
+    md += [f"- {n}" for n in notes]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+
+    esc = html.escape
+    body = [f"<h1>{esc(title)}</h1>", f"<p>{esc(machine)}</p>"]
+    for model, lines in tables.items():
+        body.append(f"<h2>{esc(model)}</h2><table><tr>"
+                    + "".join(f"<th>{esc(h)}</th>" for h in HEADER) + "</tr>")
+        body += ["<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>"
+                 for cells in lines]
+        body.append("</table>")
+    body.append("<h2>Plots</h2>")
+    for caption, path in plots:
+        data = base64.b64encode(path.read_bytes()).decode()
+        body.append(f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+                    f"<figcaption>{esc(caption)}</figcaption></figure>")
+    body.append("<h2>Notes</h2><ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    style = ("body{font-family:sans-serif;margin:2em;max-width:1400px}"
+             "table{border-collapse:collapse;font-size:12px}"
+             "td,th{border:1px solid #bbb;padding:2px 6px;text-align:right}"
+             "td:nth-child(-n+2){text-align:left}img{max-width:100%}")
+    (out / "report.html").write_text(
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title>'
+        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+    return {"md": out / "report.md", "html": out / "report.html",
+            **{p.stem: p for _, p in plots}}
+
+
+def run(chip_names: Sequence[str], models: Sequence[str], out: str | os.PathLike,
+        repeat: int = 10, say: Callable[[str], None] = progress) -> dict[str, Path]:
+    """:func:`collect` then :func:`write`; the sgemm peak is measured when a chip runs here."""
+    results = collect(chip_names, models, repeat, say)
+    peak = None
+    if any(r.chip.runs_here for r in results):
+        say("measuring the practical peak (2048^3 sgemm)")
+        peak = bench.sgemm_peak()
+    paths = write(results, out, peak)
+    say(f"wrote {paths['md']} and {paths['html']}")
+    return paths

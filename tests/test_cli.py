@@ -1,0 +1,159 @@
+"""The tvm-bnfold command: help, one-line user errors, fold, compile (.so loads and runs), demo,
+bench and tune, all on a tiny ONNX model."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from tvm import relax
+
+import tvm_bnfold
+from _util import assert_close
+from test_report import tiny_model
+from tvm_bnfold import bench, cli
+from tvm_bnfold.models import load_onnx, random_inputs
+
+COMMANDS = ("fold", "compile", "tune", "bench", "report", "demo")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cli") / "tiny.onnx"
+    onnx.save(tiny_model(), path)
+    return str(path)
+
+
+def test_help_explains_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for command in COMMANDS:
+        assert command in text
+    for command in COMMANDS:
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        text = capsys.readouterr().out
+        assert f"usage: tvm-bnfold {command}" in text
+        assert "MODEL" in text or command == "report"
+
+
+def _env() -> dict:
+    """The package importable by a child process, whether or not it is pip-installed."""
+    package_root = str(Path(tvm_bnfold.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def _user_error_cases(tiny: str, tmp_path: Path) -> dict[tuple, str]:
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x08\x07this is not protobuf\xff\xff")
+    return {
+        ("fold", str(tmp_path / "missing.onnx")): "unknown model",
+        ("fold", "resnet51"): "not a built-in model",
+        ("fold", str(bad)): "is not an ONNX model",
+        ("bench", tiny, "--chip", "z80"): "unknown chip 'z80'",
+        ("bench", tiny, "--chip", "aarch64"): "cannot run on this machine",
+        ("report", "--chips", "avx2,z80", "--models", tiny, "--out", str(tmp_path)):
+            "unknown chip 'z80'",
+        ("compile", tiny): "the following arguments are required: --chip",
+        ("compile", tiny, "--chip", "avx2", "-o", str(tmp_path / "no/dir/m.so")):
+            "output directory does not exist",
+        ("tune", tiny, "--chip", "avx2", "--trials", "0"): "--trials must be > 0",
+        ("tune", tiny, "--chip", "avx2", "--trials", "8", "--rpc-tracker", "localhost"):
+            "--rpc-tracker and --rpc-key go together",
+    }
+
+
+def _check_one_line(args, code, out: str, err: str, expected: str) -> None:
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2, (args, err)
+    assert len(lines) == 1 and lines[0].startswith("tvm-bnfold"), (args, err)
+    assert expected in lines[0], (args, err)
+    assert "Traceback" not in err and out == ""
+
+
+def test_user_errors_are_one_line(tiny, tmp_path, capsys):
+    for args, expected in _user_error_cases(tiny, tmp_path).items():
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit_:  # argparse
+            code = exit_.code
+        _check_one_line(args, code, *capsys.readouterr(), expected)
+
+
+def test_user_errors_exit_the_process_without_traceback(tiny, tmp_path):
+    """As a real process (a few cases: each child imports TVM)."""
+    cases = dict(list(_user_error_cases(tiny, tmp_path).items())[2:5])
+    procs = {
+        args: subprocess.Popen([sys.executable, "-m", "tvm_bnfold.cli", *args], env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for args in cases
+    }
+    for args, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        _check_one_line(args, proc.returncode, out, err, cases[args])
+
+
+def test_fold_prints_each_batchnorm_and_a_summary(tiny, capsys):
+    assert cli.main(["fold", tiny]) == 0
+    out = capsys.readouterr().out
+    assert out.count("folded into") == 2
+    assert "2 BatchNorms: 2 folded" in out
+
+
+def test_compile_writes_a_library_that_loads_and_runs(tiny, tmp_path, capsys):
+    so = tmp_path / "model.so"
+    assert cli.main(["compile", tiny, "--chip", "avx2", "-o", str(so)]) == 0
+    assert "5 kernels" in capsys.readouterr().out
+    mod = load_onnx(tiny)
+    inputs = list(random_inputs(mod).values())
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(so)), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
+    assert_close(out, bench.run_once(mod, inputs))
+
+
+def test_demo_prints_the_summary_and_writes_a_report(tiny, tmp_path, capsys):
+    out_dir = tmp_path / "demo"
+    assert cli.main(["demo", "--model", tiny, "--chip", "avx2", "--out", str(out_dir),
+                     "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny: 2 BatchNorms: 2 folded" in out
+    assert "BatchNorms: 2 -> 0" in out
+    assert "kernels: 11 -> 5" in out
+    error = float(out.split("max abs error vs unfused: ")[1].split()[0])
+    assert error < 1e-4
+    for name in ("report.md", "report.html", "kernels.png", "latency_tiny.png"):
+        assert (out_dir / name).is_file()
+
+
+def test_bench_times_every_variant_and_the_peak(tiny, capsys):
+    assert cli.main(["bench", tiny, "--chip", "avx2", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    for variant in ("unfused", "stock", "foldbn", "ours", "onnxruntime"):
+        assert f" {variant} " in out
+    peak = float(out.split("numpy BLAS): ")[1].split()[0])
+    assert peak > 0
+    assert "of the sgemm peak" in out
+
+
+def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("tvm_bnfold.tune", reason="tune.py (issue 4) has not landed")
+    monkeypatch.setattr(bench, "TUNING_LOGS", tmp_path / "logs")
+    assert cli.main(["tune", tiny, "--chip", "avx2", "--trials", "4", "--quiet"]) == 0
+    work_dir = tmp_path / "logs" / "avx2" / "tiny"
+    assert (work_dir / "database_tuning_record.json").is_file()
+    capsys.readouterr()
+    so = tmp_path / "tuned.so"
+    assert cli.main(["compile", tiny, "--chip", "avx2", "-o", str(so)]) == 0
+    assert f"tuned schedules from {work_dir}" in capsys.readouterr().out
+    mod = load_onnx(tiny)
+    inputs = list(random_inputs(mod).values())
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(so)), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
+    np.testing.assert_allclose(out, bench.run_once(mod, inputs), rtol=1e-5, atol=1e-5)

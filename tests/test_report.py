@@ -1,0 +1,159 @@
+"""Comparison reports: files, embedded plots, static-only chips, and a real browser render."""
+
+import base64
+import re
+import shutil
+import subprocess
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from PIL import Image
+
+from tvm_bnfold import report
+from tvm_bnfold.errors import BNFoldError
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def tiny_model(seed: int = 0) -> onnx.ModelProto:
+    """data (1, 3, 8, 8) -> Conv+BN+Relu -> Conv+BN -> Add(residual) -> Relu -> GAP -> Flatten ->
+    Gemm: 2 BatchNorms, 11 kernels unfused, 5 after FoldBN + FuseEpilogue."""
+    rng = np.random.default_rng(seed)
+    c = 8
+    params = {"w1": rng.normal(0, 0.3, (c, 3, 3, 3)), "w2": rng.normal(0, 0.2, (c, c, 3, 3)),
+              "fc_w": rng.normal(0, 0.1, (4, c)), "fc_b": rng.normal(0, 0.1, 4)}
+    for i in (1, 2):
+        params[f"s{i}"], params[f"b{i}"] = rng.uniform(0.5, 1.5, c), rng.normal(0, 0.1, c)
+        params[f"m{i}"], params[f"v{i}"] = rng.normal(0, 0.1, c), rng.uniform(0.5, 2, c)
+    node = helper.make_node
+    nodes = [
+        node("Conv", ["data", "w1"], ["c1"], pads=[1] * 4),
+        node("BatchNormalization", ["c1", "s1", "b1", "m1", "v1"], ["n1"]),
+        node("Relu", ["n1"], ["r1"]),
+        node("Conv", ["r1", "w2"], ["c2"], pads=[1] * 4),
+        node("BatchNormalization", ["c2", "s2", "b2", "m2", "v2"], ["n2"]),
+        node("Add", ["n2", "r1"], ["a"]),
+        node("Relu", ["a"], ["r2"]),
+        node("GlobalAveragePool", ["r2"], ["g"]),
+        node("Flatten", ["g"], ["f"]),
+        node("Gemm", ["f", "fc_w", "fc_b"], ["out"], transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "tiny", [helper.make_tensor_value_info("data", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 4])],
+        initializer=[numpy_helper.from_array(a.astype(np.float32), k) for k, a in params.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_report(tmp_path_factory):
+    """One report of the tiny model: avx2 (runs here), aarch64 and cuda-sm80 (static only)."""
+    tmp = tmp_path_factory.mktemp("report")
+    onnx.save(tiny_model(), tmp / "tiny.onnx")
+    messages = []
+    paths = report.run(["avx2", "aarch64", "cuda-sm80"], [str(tmp / "tiny.onnx")], tmp / "out",
+                       repeat=2, say=messages.append)
+    return paths, messages
+
+
+def _rows(md: str, chip: str) -> dict[str, list[str]]:
+    """Table rows of report.md for ``chip``: variant label -> cells."""
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) > 2 and cells[0] == chip:
+            rows[cells[1]] = cells
+    return rows
+
+
+def test_report_files_and_every_image_embedded(tiny_report):
+    paths, _ = tiny_report
+    out = paths["md"].parent
+    pngs = sorted(out.glob("*.png"))
+    assert {p.name for p in pngs} == {"kernels.png", "latency_tiny.png", "registers_tiny.png"}
+    for png in pngs:
+        Image.open(png).load()  # decodes
+    md = paths["md"].read_text()
+    for png in pngs:
+        assert f"]({png.name})" in md
+    page = paths["html"].read_text()
+    sources = re.findall(r'<img[^>]*\bsrc="([^"]*)"', page)
+    assert len(sources) == len(pngs) == page.count("<img")
+    for src in sources:
+        assert src.startswith("data:image/png;base64,")
+        image = Image.open(BytesIO(base64.b64decode(src.partition(",")[2])))
+        image.load()
+        assert image.size[0] > 100 and image.size[1] > 100
+    # Self-contained: nothing else is fetched.
+    assert not re.search(r'(?:href|src)="(?!data:)', page)
+
+
+def test_report_latency_only_where_the_chip_runs(tiny_report):
+    paths, _ = tiny_report
+    md = paths["md"].read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| chip"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    median, kernels, bns = (columns.index(c) for c in ("median ms", "kernels", "BNs left"))
+    err, regs = columns.index("max abs err"), columns.index("max regs")
+    here = _rows(md, "avx2")
+    assert set(here) == {"unfused (each op its own kernel)", "stock TVM fusion", "FoldBN only",
+                         "FoldBN+FuseEpilogue (default schedule)", "ONNX Runtime"}
+    ours = here["FoldBN+FuseEpilogue (default schedule)"]
+    float(ours[median])
+    assert float(ours[err]) < 1e-4
+    assert (ours[kernels], ours[bns]) == ("5", "0")
+    assert here["unfused (each op its own kernel)"][kernels] == "11"
+    for chip in ("aarch64", "cuda-sm80"):
+        rows = _rows(md, chip)
+        assert "ONNX Runtime" not in rows
+        assert len(rows) == 4
+        for cells in rows.values():
+            assert cells[median] == "not run: no device"
+            assert cells[err] == "-"
+            assert cells[kernels] in ("11", "5")
+        # Static columns: registers from the asm (aarch64) or ptxas (or why not).
+        ours = rows["FoldBN+FuseEpilogue (default schedule)"]
+        assert ours[regs].isdigit() or "nvcc" in ours[regs] or "ptxas" in ours[regs]
+    assert "practical peak" in md
+
+
+def test_report_shows_progress_per_chip_model_variant(tiny_report):
+    _, messages = tiny_report
+    for variant in ("unfused", "stock", "foldbn", "ours"):
+        assert f"avx2/tiny/{variant}: compiling and timing" in messages
+    assert any(m.startswith("aarch64/tiny:") for m in messages)
+    assert any(m.startswith("cuda-sm80/tiny:") for m in messages)
+
+
+def test_report_errors(tmp_path):
+    with pytest.raises(BNFoldError, match="unknown chip 'z80'"):
+        report.collect(["z80"], ["x.onnx"])
+    with pytest.raises(BNFoldError, match="nothing to report"):
+        report.write([], tmp_path)
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium (apt-get install chromium)")
+def test_report_renders_in_headless_chromium(tiny_report, tmp_path):
+    """Every plot decodes in a real browser: the page counts images with a natural width."""
+    page = tiny_report[0]["html"].read_text()
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", (
+        '<script>addEventListener("load", () => { document.body.dataset.rendered = '
+        "[...document.images].filter(i => i.complete && i.naturalWidth > 0).length })"
+        "</script></body>")))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([str(CHROMIUM), *flags, "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert 'data-rendered="3"' in dom
+    shot = tmp_path / "shot.png"
+    subprocess.run([str(CHROMIUM), *flags, f"--screenshot={shot}", "--window-size=1200,2400",
+                    tiny_report[0]["html"].as_uri()], capture_output=True, timeout=120)
+    pixels = np.asarray(Image.open(shot).convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50  # plots, not a blank page
+    shutil.rmtree(tmp_path / "profile", ignore_errors=True)
