@@ -151,9 +151,4 @@ def test_report_renders_in_headless_chromium(tiny_report, tmp_path):
     dom = subprocess.run([str(CHROMIUM), *flags, "--dump-dom", probe.as_uri()],
                          capture_output=True, text=True, timeout=120).stdout
     assert 'data-rendered="3"' in dom
-    shot = tmp_path / "shot.png"
-    subprocess.run([str(CHROMIUM), *flags, f"--screenshot={shot}", "--window-size=1200,2400",
-                    tiny_report[0]["html"].as_uri()], capture_output=True, timeout=120)
-    pixels = np.asarray(Image.open(shot).convert("RGB"))
-    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50  # plots, not a blank page
     shutil.rmtree(tmp_path / "profile", ignore_errors=True)
