@@ -85,16 +85,15 @@ def static_budget(chip: str | chips.Chip, dtype: str = "float32") -> int:
 def estimate_live_vregs(accumulators: int, epilogue_operands: int, temporaries: int = 2) -> int:
     """Peak live vector registers of a register tile with its epilogue applied in place.
 
-    The model: every accumulator of the tile is live across the whole reduction; the epilogue
-    runs on the tile before it is written back, so its operands (a bias / scale vector, a
-    residual vector) are live together with all accumulators; ``temporaries`` are the operand
-    registers of the inner product live at once. Peak = the sum; it fits when it is at most
-    ``chip.vector_regs`` (equivalently: accumulators + operands <= :func:`static_budget` with
-    the default ``temporaries`` = :data:`CPU_RESERVE`).
+    The model: every accumulator of the tile is live across the whole reduction and the
+    epilogue; ``temporaries`` are the operand registers of one reduction step live at once; the
+    epilogue's operands and constants (a bias vector, a residual vector, relu's 0) are only live
+    once the reduction is done, when the temporaries are dead. Peak = accumulators + the larger
+    of the two; it fits when it is at most ``chip.vector_regs``.
 
     Measured with LLVM (avx512, avx2, aarch64): a GEMM tile of ``rows x vecs`` vectors that
     loads its ``vecs`` weight vectors once per reduction step and broadcasts one input keeps
-    ``temporaries = vecs + 1`` live, and spills exactly when the sum exceeds the register file.
+    ``temporaries = vecs + 1`` live, and spills exactly when the peak exceeds the register file.
     """
     for name, value in (
         ("accumulators", accumulators),
@@ -103,7 +102,7 @@ def estimate_live_vregs(accumulators: int, epilogue_operands: int, temporaries: 
     ):
         if value < 0:
             raise BNFoldError(f"estimate_live_vregs: {name} must be >= 0, got {value}")
-    return accumulators + epilogue_operands + temporaries
+    return accumulators + max(epilogue_operands, temporaries)
 
 
 # Assembly analysis --------------------------------------------------------------------------
@@ -115,7 +114,9 @@ _X86_HINT = re.compile(r"%(?:[xyz]mm\d|r[sb]p\b|[re]ax\b)")
 # x86 AT&T: a (v)mov* with a vector register operand and a %rsp/%rbp-based memory operand.
 _X86_MOVE = re.compile(r"^\s*v?mov\w*\s")
 _X86_VREG = re.compile(r"%([xyz])mm(\d+)")
-_X86_STACK = re.compile(r"[-+\w]*\(%(?:rsp|rbp)\b[^)]*\)")
+_X86_STACK = re.compile(r"[-+\w]*\(%rsp\b[^)]*\)")
+_X86_FRAME = re.compile(r"[-+\w]*\(%rbp\b[^)]*\)")  # a slot only where rbp is the frame pointer
+_X86_SETS_FRAME = re.compile(r"^\s*movq?\s+%rsp,\s*%rbp\b")
 
 # AArch64: str/ldr/stp/ldp (+ unscaled and pre/post-indexed forms) of q/d/s/h/b registers,
 # st1/ld1 of v registers, addressed from sp or the frame pointer.
@@ -125,8 +126,8 @@ _A64_STACK = re.compile(r"\[\s*(?:sp|x29|fp)\b")
 _A64_CALLEE_SAVED_D = range(8, 16)  # AAPCS64: the low halves of v8-v15 are callee-saved
 
 
-def _kernel_lines(asm: str) -> Iterator[str]:
-    """Instruction lines of the kernels in ``asm``.
+def _kernel_lines(asm: str) -> Iterator[tuple[str | None, str]]:
+    """Instruction lines of the kernels in ``asm``, each with its function (None in a snippet).
 
     TVM's own helpers are skipped: the FFI wrappers (``__tvm_ffi_*``), their error paths
     (``__tvm_set_raised_*``), which marshal arguments on the stack, and compiler-rt routines
@@ -135,18 +136,19 @@ def _kernel_lines(asm: str) -> Iterator[str]:
     declarations (a snippet) is taken whole.
     """
     functions = {m.group(1) for line in asm.splitlines() if (m := _FUNC_DECL.match(line))}
-    skipping = False
+    skipping, function = False, None
     for line in asm.splitlines():
         label = _LABEL.match(line)
         if label and label.group(1) in functions:
-            skipping = label.group(1).startswith("__")
+            function = label.group(1)
+            skipping = function.startswith("__")
             continue
         if skipping:
             continue
         stripped = line.strip()
         if not stripped or stripped.startswith((".", "#", "//", ";")) or _LABEL.match(stripped):
             continue
-        yield line
+        yield function, line
 
 
 def _is_x86(asm: str) -> bool:
@@ -164,22 +166,28 @@ def _operands(line: str, x86: bool) -> str:
 def count_vector_spills(asm: str) -> int:
     """Vector register <-> stack moves in ``asm`` (x86 AT&T or AArch64), in either direction.
 
-    x86: ``(v)mov*`` between an ``%xmm/%ymm/%zmm`` register and an ``(%rsp)``/``(%rbp)``-based
-    slot (x86-64 SysV has no callee-saved vector registers, so every such move is a spill or a
-    reload). AArch64: ``str/ldr/stp/ldp/stur/ldur`` of ``q/d/s/h/b`` registers and ``st1/ld1``
-    of ``v`` registers at ``[sp...]`` / ``[x29...]``, except the prologue/epilogue save of the
+    x86: ``(v)mov*`` between an ``%xmm/%ymm/%zmm`` register and an ``(%rsp)``-based slot, or an
+    ``(%rbp)``-based one in a function that sets rbp up as its frame pointer (elsewhere LLVM uses
+    rbp as an ordinary pointer register); x86-64 SysV has no callee-saved vector registers, so
+    every such move is a spill or a reload. In a snippet without functions rbp is the frame.
+    AArch64: ``str/ldr/stp/ldp/stur/ldur`` of ``q/d/s/h/b`` registers and ``st1/ld1`` of ``v``
+    registers at ``[sp...]`` / ``[x29...]``, except the prologue/epilogue save of the
     callee-saved ``d8``-``d15``. Register-register moves and loads from other addresses do not
     count. Reloads that LLVM folds into an arithmetic instruction are not counted (a spill
     always has at least one store, so ``> 0`` is unaffected). TVM's FFI wrappers are skipped.
     """
     x86 = _is_x86(asm)
+    lines = list(_kernel_lines(asm))
+    framed = {None} | {f for f, line in lines if _X86_SETS_FRAME.match(line)}
     count = 0
-    for line in _kernel_lines(asm):
+    for function, line in lines:
         if x86:
             if not _X86_MOVE.match(line):
                 continue
             operands = _operands(line, x86)
-            if _X86_VREG.search(operands) and _X86_STACK.search(operands):
+            slot = _X86_STACK.search(operands) or (
+                function in framed and _X86_FRAME.search(operands))
+            if slot and _X86_VREG.search(operands):
                 count += 1
             continue
         if not _A64_MOVE.match(line):
@@ -201,7 +209,7 @@ def vector_registers_used(asm: str) -> int:
     are one register, as are AArch64 ``v3``/``q3``/``d3``/``s3``)."""
     x86 = _is_x86(asm)
     used: set[int] = set()
-    for line in _kernel_lines(asm):
+    for _, line in _kernel_lines(asm):
         operands = _operands(line, x86)
         pattern = _X86_VREG if x86 else _A64_VREG
         used.update(int(n) for _, n in pattern.findall(operands))
