@@ -37,6 +37,8 @@ from . import chips, conv_schedule, register_pressure
 logger = logging.getLogger(__name__)
 
 EPILOGUE_LEVELS = ("register", "cache", "separate")
+#: PrimFunc attribute of a scheduled kernel holding its unscheduled form (the tuning workload).
+WORKLOAD_ATTR = "bnfold.workload"
 
 
 @dataclass
@@ -110,7 +112,9 @@ def schedule_kernels(
         if _is_scheduled(func):
             records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
             continue
-        updates[gvar], record = choose_schedule(func, anchor, chip, measure)
+        scheduled, record = choose_schedule(func, anchor, chip, measure)
+        # The unscheduled kernel stays reachable for MetaSchedule (tune.py tunes it).
+        updates[gvar] = scheduled.with_attr(WORKLOAD_ATTR, func)
         record.kernel = gvar.name_hint
         records.append(record)
     mod = mod.clone()  # never update the caller's module in place
@@ -139,7 +143,7 @@ def choose_schedule(
 ) -> tuple[tvm.tirx.PrimFunc, FusionRecord]:
     """The register-pressure check: walk tiles (largest first) and epilogue levels until one
     fits the static budget and, when ``measure``, compiles without spills."""
-    budget = register_pressure.static_budget(chip, anchor.dtype)
+    budget = chip.vector_regs  # the estimate counts the reduction's temporaries too
     rejected: list[str] = []
     candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
     for tile in candidates:
