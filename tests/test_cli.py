@@ -2,6 +2,7 @@
 bench and tune, all on a tiny ONNX model."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,20 @@ def test_compile_writes_a_library_that_loads_and_runs(tiny, tmp_path, capsys):
     assert_close(out, bench.run_once(mod, inputs))
 
 
+def test_compile_for_aarch64_cross_compiles_or_names_the_missing_compiler(tiny, tmp_path, capsys):
+    so = tmp_path / "arm.so"
+    code = cli.main(["compile", tiny, "--chip", "aarch64", "-o", str(so)])
+    out, err = capsys.readouterr()
+    if shutil.which("aarch64-linux-gnu-g++"):
+        assert code == 0, err
+        header = so.read_bytes()[:20]
+        assert header[:4] == b"\x7fELF"
+        assert int.from_bytes(header[18:20], "little") == 183  # e_machine: AArch64
+        assert "does not run on this machine" in out
+    else:
+        assert code == 2 and "aarch64-linux-gnu-g++" in err and not so.exists()
+
+
 def test_demo_prints_the_summary_and_writes_a_report(tiny, tmp_path, capsys):
     out_dir = tmp_path / "demo"
     assert cli.main(["demo", "--model", tiny, "--chip", "avx2", "--out", str(out_dir),
@@ -145,7 +160,7 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
 def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys):
     pytest.importorskip("tvm_bnfold.tune", reason="tune.py (issue 4) has not landed")
     monkeypatch.setattr(bench, "TUNING_LOGS", tmp_path / "logs")
-    assert cli.main(["tune", tiny, "--chip", "avx2", "--trials", "4", "--quiet"]) == 0
+    assert cli.main(["tune", tiny, "--chip", "avx2", "--trials", "2", "--quiet"]) == 0
     work_dir = tmp_path / "logs" / "avx2" / "tiny"
     assert (work_dir / "database_tuning_record.json").is_file()
     capsys.readouterr()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 import time
 from collections import Counter
@@ -193,13 +194,31 @@ def _compile(args) -> None:
     if ex is None:
         ex = tvm.compile(mod, target=chip.target)
     try:
-        ex.export_library(str(output))
+        ex.export_library(str(output), **_cross_compile(chip))
+    except BNFoldError:
+        raise
     except Exception as err:  # a cross compiler (aarch64) or nvcc (CUDA) may be missing
         raise BNFoldError(f"cannot export the {chip.name} library to {output}: "
                           f"{_one_line(err)}") from err
     schedules = f"tuned schedules from {bench.tuning_dir(chip, name)}" if tuned else \
         "default schedules (no tuning database)"
-    print(f"wrote {output} ({chip.name}, {bench.kernel_count(mod)} kernels, {schedules})")
+    elsewhere = "" if chip.runs_here else f"; {chip.name} code does not run on this machine"
+    print(f"wrote {output} ({chip.name}, {bench.kernel_count(mod)} kernels, {schedules}"
+          f"{elsewhere})")
+
+
+def _cross_compile(chip: chips.Chip) -> dict:
+    """export_library options: a cross compiler for a CPU chip with another target triple."""
+    triple = chip.target_config.get("mtriple")
+    if chip.kind != "cpu" or not triple:
+        return {}
+    compiler = shutil.which(f"{triple}-g++")
+    if compiler is None:
+        raise BNFoldError(f"exporting for {chip.name} needs the cross compiler {triple}-g++, "
+                          f"which is not installed (Debian: apt-get install g++-{triple})")
+    from tvm.support import cc
+
+    return {"fcompile": cc.cross_compiler(compiler)}
 
 
 def _tune(args) -> None:

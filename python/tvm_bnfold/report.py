@@ -168,9 +168,9 @@ def plot_registers(results: list[Result], model: str, path: Path) -> None:
         kind = "registers / thread\n(ptxas)" if r.chip.kind == "cuda" else "live vector\nregisters"
         ax.set_ylabel(kind, fontsize=8)
         spilled = sum(1 for s in spills if s)
-        ax.set_title(f"{model} on {r.chip.name}: {len(recs)} kernels, {spilled} spill"
+        ax.set_title(f"{model} on {r.chip.name}: {len(recs)} kernels, {spilled} spilling"
                      + (f" ({r.note})" if r.note else ""), fontsize=9)
-        ax.set_xticks(range(len(recs)), [rec.kernel for rec in recs], rotation=90, fontsize=5)
+        ax.set_xticks(range(len(recs)), [rec.kernel for rec in recs], rotation=90, fontsize=6)
         if budget:
             ax.set_ylim(0, budget * 1.15)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _DECISION_COLORS.values()]
