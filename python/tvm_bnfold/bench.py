@@ -272,7 +272,8 @@ def variants(
 def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
     """``tuning_logs/<chip>/<model>/`` when it holds a MetaSchedule database, else None."""
     path = TUNING_LOGS / chip.name / model
-    return path if (path / "database_tuning_record.json").is_file() else None
+    records = path / "database_tuning_record.json"
+    return path if records.is_file() and records.stat().st_size > 0 else None
 
 
 def build_tuned(mod: tvm.IRModule, chip: chips.Chip, model: str):
@@ -298,8 +299,10 @@ def _schedule_columns(records: list[FusionRecord] | None) -> dict:
         max_registers=max(regs, default=None),
         register_budget=max(budgets, default=None),
         max_spills=max(spills, default=None),
-        # Kernels whose epilogue the register check kept off the register tile.
-        rejected=sum(r.decision in ("cache", "separate") for r in records),
+        # Kernels whose epilogue the register check kept off the register tile, and the
+        # candidate tiles / levels it refused on the way.
+        rejected=f"{sum(r.decision in ('cache', 'separate') for r in records)} "
+                 f"({sum(len(r.rejected or []) for r in records)} tiles)",
     )
 
 
@@ -339,7 +342,12 @@ def compare(
     ours = rows[-1]
     extra = []
     if runs:
-        tuned = build_tuned(found["ours"].mod, chip, name)
+        try:
+            tuned = build_tuned(found["ours"].mod, chip, name)
+        except Exception as err:  # e.g. a database being written by a tuning run right now
+            say(f"{chip.name}/{name}/tuned: skipped, cannot use {tuning_dir(chip, name)}: "
+                + next(iter(str(err).splitlines()), type(err).__name__))
+            tuned = None
         if tuned is not None:
             say(f"{chip.name}/{name}/tuned: timing with {tuning_dir(chip, name)}")
             extra.append(("tuned", dict(ours), latency(tuned, inputs, chip.target, repeat)))

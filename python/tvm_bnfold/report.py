@@ -224,7 +224,8 @@ def _notes(results: list[Result], peak: float | None) -> list[str]:
         "max regs / max spills: the largest over the conv/matmul kernels (CPU: static estimate of "
         "live vector registers and vector spill moves counted in the LLVM asm; CUDA: registers "
         "per thread and spill bytes from ptxas -v). rejected: kernels whose epilogue the "
-        "register check kept off the register tile.",
+        "register check kept off the register tile; in brackets, the candidate tiles and levels "
+        "it refused on the way (their numbers are in FuseEpilogue().report).",
     ]
     not_run = sorted({r.chip.name for r in results if not r.chip.runs_here})
     if not_run:
