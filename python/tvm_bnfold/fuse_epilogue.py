@@ -24,7 +24,9 @@ else the epilogue moves to the cache tile; else it stays a separate loop nest. E
 
 from __future__ import annotations
 
+import base64
 import logging
+import zlib
 from dataclasses import dataclass
 
 import tvm
@@ -37,7 +39,8 @@ from . import chips, conv_schedule, register_pressure
 logger = logging.getLogger(__name__)
 
 EPILOGUE_LEVELS = ("register", "cache", "separate")
-#: PrimFunc attribute of a scheduled kernel holding its unscheduled form (the tuning workload).
+#: Attribute of a scheduled kernel: its unscheduled form (the tuning workload), as
+#: base64(zlib(tvm.ir.save_json(func))); ``tune.kernels`` unpacks it.
 WORKLOAD_ATTR = "bnfold.workload"
 
 
@@ -113,8 +116,10 @@ def schedule_kernels(
             records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
             continue
         scheduled, record = choose_schedule(func, anchor, chip, measure)
-        # The unscheduled kernel stays reachable for MetaSchedule (tune.py tunes it).
-        updates[gvar] = scheduled.with_attr(WORKLOAD_ATTR, func)
+        # The unscheduled kernel stays reachable for MetaSchedule (tune.py tunes it), packed
+        # as a string: the script printer cannot print a PrimFunc inside attributes.
+        packed = base64.b64encode(zlib.compress(tvm.ir.save_json(func).encode())).decode()
+        updates[gvar] = scheduled.with_attr(WORKLOAD_ATTR, packed)
         record.kernel = gvar.name_hint
         records.append(record)
     mod = mod.clone()  # never update the caller's module in place

@@ -1,0 +1,289 @@
+"""tune() / build(): MetaSchedule tuning of the fused kernels of a tiny conv+bias+relu model,
+its databases, resume, interruption, corrupt files and the register-pressure postprocessor.
+
+One small tuning run (8 trials) is shared by the module; the rest reuses its database."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+
+from _util import assert_close, function, run, tensor_var
+from tvm_bnfold import FuseEpilogue, chips
+from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
+from tvm_bnfold.tune import (
+    RECORD_FILE,
+    WORKLOAD_FILE,
+    DatabaseError,
+    InProcessBuilder,
+    RegisterBudget,
+    TuningError,
+    TuningLockedError,
+    apply_database,
+    build,
+    kernels,
+    load_database,
+    register_tile,
+    tune,
+    work_dir_lock,
+)
+
+R = relax.op
+CHIP = chips.get("avx2")
+pytestmark = pytest.mark.skipif(not CHIP.runs_here, reason="avx2 does not run here")
+# Small search settings: the file has to stay within a few minutes on 2 cores.
+SMALL = dict(num_trials_per_iter=4, population_size=32, genetic_num_iters=1, seed=0)
+TRIALS = 8
+
+
+def conv_module(cin=8, cout=16, hw=10, seed=0):
+    """x -> conv3x3 -> + bias -> relu."""
+    rng = np.random.default_rng(seed)
+    w = relax.const(rng.normal(0, 0.3, (cout, cin, 3, 3)).astype("float32"))
+    b = relax.const(rng.normal(0, 0.5, (1, cout, 1, 1)).astype("float32"))
+
+    def body(bb, x):
+        y = bb.emit(R.add(bb.emit(R.nn.conv2d(x, w, padding=1)), b))
+        return R.nn.relu(y)
+
+    x = rng.normal(size=(1, cin, hw, hw)).astype("float32")
+    return function([tensor_var("x", x.shape)], body), x
+
+
+def fused(mod):
+    with CHIP.target:
+        return FuseEpilogue(CHIP, measure=False)(mod)
+
+
+def vm_run(ex, x):
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(x)).numpy()
+
+
+def lines(path: Path) -> list[str]:
+    return [ln for ln in path.read_text().splitlines() if ln.strip()]
+
+
+@derived_object
+class CountingRunner(ms.runner.PyRunner):
+    """LocalRunner that counts the candidates it is asked to measure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = ms.runner.LocalRunner()
+        self.measured: list[int] = []
+
+    def run(self, runner_inputs):
+        self.measured.append(len(runner_inputs))
+        return self.inner.run(runner_inputs)
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    """(module, input, fused module, work_dir) after one small tuning run."""
+    mod, x = conv_module()
+    fmod = fused(mod)
+    work_dir = tmp_path_factory.mktemp("tune") / "db"
+    tune(fmod, CHIP, work_dir, max_trials=TRIALS, quiet=True,
+         **{**SMALL, "num_trials_per_iter": TRIALS})  # one batch, MetaSchedule's LocalBuilder
+    return mod, x, fmod, work_dir
+
+
+def test_scheduled_kernel_keeps_its_workload_and_still_compiles(tmp_path):
+    mod, x = conv_module()
+    fmod = fused(mod)
+    ((gvar, workload),) = kernels(fmod).items()
+    unscheduled = fuse_graph(mod)[gvar.name_hint]
+    tvm.ir.assert_structural_equal(workload, unscheduled)
+    assert "bnfold.workload" in fmod.script()  # the module still prints
+    again = FuseEpilogue(CHIP, measure=False)
+    with CHIP.target:
+        twice = again(fmod)
+    assert str(twice[gvar].attrs[WORKLOAD_ATTR]) == str(fmod[gvar].attrs[WORKLOAD_ATTR])
+    tvm.ir.assert_structural_equal(twice[gvar].body, fmod[gvar].body)
+    ex = tvm.compile(fmod, target=CHIP.target)  # compiles with the attribute in place
+    ex.export_library(str(tmp_path / "m.so"))
+    loaded = tvm.runtime.load_module(str(tmp_path / "m.so"))
+    assert_close(vm_run(loaded, x), run(mod, x))
+
+
+def test_tuned_build_matches_unfused_module(tuned):
+    mod, x, fmod, work_dir = tuned
+    assert len(lines(work_dir / RECORD_FILE)) == TRIALS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every kernel has a record: no warning
+        scheduled, names, missing = apply_database(fmod, CHIP, work_dir)
+    assert names and not missing
+    assert_close(vm_run(tvm.compile(scheduled, target=CHIP.target), x), run(mod, x))
+    assert_close(vm_run(build(fmod, CHIP, work_dir=work_dir), x), run(mod, x))
+
+
+def test_database_is_standard_for_stock_apply_database(tuned):
+    mod, x, _, work_dir = tuned
+    assert len(lines(work_dir / WORKLOAD_FILE)) == 1
+    for line in lines(work_dir / RECORD_FILE):
+        index, record = json.loads(line)
+        assert index == 0 and len(record) == 4  # [trace, run_secs, target, args_info]
+    with CHIP.target:
+        graph = fuse_graph(mod)  # the unscheduled, graph-fused module
+        applied = relax.transform.MetaScheduleApplyDatabase(str(work_dir))(graph)
+    tuned_funcs = [f for f in applied.functions.values()
+                   if isinstance(f, tvm.tirx.PrimFunc) and f.attrs.get("tirx.is_scheduled")]
+    assert len(tuned_funcs) == 1
+    assert_close(vm_run(tvm.compile(applied, target=CHIP.target), x), run(mod, x))
+
+
+def test_build_warns_once_naming_the_kernels_without_records(tuned):
+    _, _, _, work_dir = tuned
+    other, x = conv_module(cin=4, cout=8, hw=6, seed=1)  # a workload the database lacks
+    fother = fused(other)
+    with pytest.warns(UserWarning, match="fused_conv2d_add_relu") as caught:
+        ex = build(fother, CHIP, work_dir=work_dir)
+    assert len([w for w in caught if "no tuning record" in str(w.message)]) == 1
+    assert_close(vm_run(ex, x), run(other, x))
+
+
+def test_register_budget_discards_a_huge_register_tile():
+    mod, _ = conv_module()
+    with CHIP.target:
+        workload = next(iter(kernels(fused(mod)).values()))
+    ctx = ms.TuneContext(mod=workload, target=CHIP.target, task_name="conv")
+    check = RegisterBudget(CHIP)
+    check._initialize_with_tune_context(ctx)
+
+    def tiled(order):
+        sch = s_tir.Schedule(ctx.mod)
+        n, f, y, x, rc, ry, rx = sch.get_loops(sch.get_sblock("conv2d_nchw"))
+        loops = dict(n=n, f=f, y=y, x=x, rc=rc, ry=ry, rx=rx)
+        sch.reorder(*[loops[name] for name in order.split()])
+        return sch
+
+    huge = tiled("n rc ry rx f y x")  # 16 x 10 x 10 accumulators inside rx
+    small = tiled("n f y rc ry rx x")  # 10 accumulators: 2 vectors of 8
+    assert register_tile(huge, "conv2d_nchw", CHIP.lanes()) == 200
+    assert register_tile(small, "conv2d_nchw", CHIP.lanes()) == 2
+    assert not check.apply(huge)
+    assert check.apply(small)
+    assert check.counter.counts == {"conv": 1}
+
+
+def test_rerun_resumes_without_measuring_again(tuned, tmp_path, capsys):
+    _, _, fmod, work_dir = tuned
+    copy = tmp_path / "db"
+    shutil.copytree(work_dir, copy, ignore=shutil.ignore_patterns("logs", ".tune.lock"))
+    runner = CountingRunner()
+    tune(fmod, CHIP, copy, max_trials=TRIALS, quiet=True, runner=runner, **SMALL)
+    assert runner.measured == []  # all 8 trials are already recorded
+    assert capsys.readouterr().out == ""  # quiet
+    before = lines(copy / RECORD_FILE)
+    tune(fmod, CHIP, copy, max_trials=TRIALS + 2, runner=runner, builder=InProcessBuilder(),
+         **{**SMALL, "num_trials_per_iter": 2})
+    assert sum(runner.measured) == 2
+    after = lines(copy / RECORD_FILE)
+    assert after[:TRIALS] == before and len(after) == TRIALS + 2
+    out = capsys.readouterr().out
+    assert "8 trials already" in out and "trials 10/10" in out and "ETA" in out
+    # None of the new records repeats a schedule that was already measured.
+    db = load_database(copy)
+    mods = []
+    for record in db.get_all_tuning_records():
+        sch = s_tir.Schedule(record.workload.mod)
+        record.trace.apply_to_schedule(sch, remove_postproc=False)
+        mods.append(tvm_ffi.structural_hash(sch.mod))
+    assert not set(mods[TRIALS:]) & set(mods[:TRIALS])
+
+
+def test_corrupt_line_names_file_and_line(tuned, tmp_path):
+    _, _, fmod, work_dir = tuned
+    shutil.copytree(work_dir, tmp_path / "db", ignore=shutil.ignore_patterns("logs"))
+    path = tmp_path / "db" / RECORD_FILE
+    text = lines(path)
+    text[2] = text[2][: len(text[2]) // 2] + "}garbage"
+    path.write_text("\n".join(text) + "\n")
+    with pytest.raises(DatabaseError, match=rf"{RECORD_FILE}:3: ") as err:
+        load_database(tmp_path / "db")
+    assert err.value.line == 3 and err.value.path == str(path)
+    with pytest.raises(DatabaseError, match=":3: "):
+        build(fmod, CHIP, work_dir=tmp_path / "db")
+    # Valid JSON, but not a tuning record.
+    text[2] = json.dumps([0, ["not a trace"]])
+    path.write_text("\n".join(text) + "\n")
+    with pytest.raises(DatabaseError, match=":3: not a MetaSchedule entry"):
+        load_database(tmp_path / "db")
+
+
+def test_truncated_last_line_is_skipped_with_a_warning(tuned, tmp_path):
+    _, _, _, work_dir = tuned
+    shutil.copytree(work_dir, tmp_path / "db", ignore=shutil.ignore_patterns("logs"))
+    path = tmp_path / "db" / RECORD_FILE
+    last = lines(path)[-1]
+    with open(path, "a") as f:
+        f.write(last[: len(last) // 2])  # what a kill in the middle of a write leaves
+    with pytest.warns(UserWarning, match=rf"{RECORD_FILE}:{TRIALS + 1}: truncated"):
+        db = load_database(tmp_path / "db")
+    assert len(db.get_all_tuning_records()) == TRIALS
+    with pytest.warns(UserWarning, match="truncated"):
+        load_database(tmp_path / "db", repair=True)
+    assert path.read_text().endswith("\n") and len(lines(path)) == TRIALS
+
+
+def test_second_run_on_the_same_directory_is_refused(tmp_path):
+    fmod = fused(conv_module()[0])
+    with work_dir_lock(tmp_path), pytest.raises(TuningLockedError, match="being tuned"):
+        tune(fmod, CHIP, tmp_path, max_trials=4, quiet=True, **SMALL)
+
+
+@pytest.mark.parametrize("chip", ["aarch64", "avx512"])
+def test_chip_that_cannot_run_here_needs_an_rpc_runner(tmp_path, chip):
+    if chips.get(chip).runs_here:
+        pytest.skip(f"{chip} runs here")
+    fmod = fused(conv_module()[0])
+    with pytest.raises(TuningError, match="cannot run on this host"):
+        tune(fmod, chip, tmp_path, max_trials=4, quiet=True)
+
+
+def test_sigkill_mid_run_leaves_a_database_that_loads(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_tune import conv_module, fused, SMALL, CHIP
+        from tvm_bnfold.tune import InProcessBuilder, tune
+        mod, _ = conv_module(seed=2)
+        tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True,
+             builder=InProcessBuilder(), **SMALL)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    path = tmp_path / RECORD_FILE
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if path.exists() and len(lines(path)) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, "the tuning run ended before it could be killed"
+        assert path.exists() and len(lines(path)) >= 2, "no records within 4 minutes"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a truncated last line, if the kill cut one
+        db = load_database(tmp_path, repair=True)
+    assert len(db.get_all_tuning_records()) >= 2
+    with work_dir_lock(tmp_path):  # the killed run's lock is gone with it
+        pass
