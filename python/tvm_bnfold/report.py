@@ -153,7 +153,7 @@ def plot_registers(results: list[Result], model: str, path: Path) -> None:
     Bar colour: where the epilogue went; red edge: the kernel spills."""
     plt = _pyplot()
     mine = [r for r in results if r.model == model]
-    fig, axes = plt.subplots(len(mine), 1, figsize=(11, 2.8 * len(mine)), squeeze=False)
+    fig, axes = plt.subplots(len(mine), 1, figsize=(11, 1.0 + 3.2 * len(mine)), squeeze=False)
     for ax, r in zip(axes[:, 0], mine, strict=True):
         recs = [rec for rec in r.records if rec.registers is not None]
         spills = [(rec.spill_bytes or rec.spill_moves or 0) for rec in recs]
