@@ -28,6 +28,7 @@ from _util import assert_close, function, run, tensor_var
 from tvm_bnfold import FuseEpilogue, chips
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
 from tvm_bnfold.tune import (
+    DEFAULTS_FILE,
     RECORD_FILE,
     WORKLOAD_FILE,
     DatabaseError,
@@ -42,6 +43,7 @@ from tvm_bnfold.tune import (
     register_tile,
     tune,
     work_dir_lock,
+    workload_key,
 )
 
 R = relax.op
@@ -100,8 +102,8 @@ def tuned(tmp_path_factory):
     mod, x = conv_module()
     fmod = fused(mod)
     work_dir = tmp_path_factory.mktemp("tune") / "db"
-    tune(fmod, CHIP, work_dir, max_trials=TRIALS, quiet=True,
-         **{**SMALL, "num_trials_per_iter": TRIALS})  # one batch, MetaSchedule's LocalBuilder
+    tune(fmod, CHIP, work_dir, max_trials=TRIALS, quiet=True, builder=InProcessBuilder(),
+         **{**SMALL, "num_trials_per_iter": TRIALS})  # one batch
     return mod, x, fmod, work_dir
 
 
@@ -123,15 +125,29 @@ def test_scheduled_kernel_keeps_its_workload_and_still_compiles(tmp_path):
     assert_close(vm_run(loaded, x), run(mod, x))
 
 
-def test_tuned_build_matches_unfused_module(tuned):
+def test_tuned_build_matches_unfused_module(tuned, tmp_path):
     mod, x, fmod, work_dir = tuned
     assert len(lines(work_dir / RECORD_FILE)) == TRIALS
+    defaults = json.loads((work_dir / DEFAULTS_FILE).read_text())
+    ((kernel, workload),) = kernels(fmod).items()
+    assert defaults[workload_key(workload)]["secs"] > 0  # the default schedule was measured
+    # Without the default's figure the tuned schedule is taken.
+    shutil.copytree(work_dir, tmp_path / "db", ignore=shutil.ignore_patterns(DEFAULTS_FILE))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every kernel has a record: no warning
-        scheduled, names, missing = apply_database(fmod, CHIP, work_dir)
-    assert names and not missing
+        scheduled, names, slower, missing = apply_database(fmod, CHIP, tmp_path / "db")
+    assert names == [kernel.name_hint] and not slower and not missing
+    assert "tirx.is_scheduled" in scheduled[kernel.name_hint].attrs
     assert_close(vm_run(tvm.compile(scheduled, target=CHIP.target), x), run(mod, x))
     assert_close(vm_run(build(fmod, CHIP, work_dir=work_dir), x), run(mod, x))
+    # A default schedule measured faster than every record is kept.
+    key = workload_key(workload)
+    (tmp_path / "db" / DEFAULTS_FILE).write_text(json.dumps({key: {"secs": 1e-12}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduled, names, slower, missing = apply_database(fmod, CHIP, tmp_path / "db")
+    assert not names and slower == [kernel.name_hint] and not missing
+    assert "tirx.is_scheduled" not in scheduled[kernel.name_hint].attrs
 
 
 def test_database_is_standard_for_stock_apply_database(tuned):
@@ -263,10 +279,9 @@ def test_sigkill_mid_run_leaves_a_database_that_loads(tmp_path):
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_tune import conv_module, fused, SMALL, CHIP
-        from tvm_bnfold.tune import InProcessBuilder, tune
-        mod, _ = conv_module(seed=2)
-        tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True,
-             builder=InProcessBuilder(), **SMALL)
+        from tvm_bnfold.tune import tune
+        mod, _ = conv_module(seed=2)  # MetaSchedule's LocalBuilder (worker processes)
+        tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True, **SMALL)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
     path = tmp_path / RECORD_FILE

@@ -46,6 +46,7 @@ from pathlib import Path
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir
+from tvm.ir import IRModule
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
@@ -60,6 +61,8 @@ TUNING_LOGS = Path(__file__).resolve().parents[2] / "tuning_logs"
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
 LOCK_FILE = ".tune.lock"
+#: Measured latency of the default schedule of each tuned workload (not a MetaSchedule file).
+DEFAULTS_FILE = "bnfold_default_schedules.json"
 _SCHEDULED = "tirx.is_scheduled"
 
 
@@ -479,7 +482,7 @@ def build_kernel(mod: tvm.IRModule, target, _params=None):
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm.build(mod, target=target)
+    return tvm.tirx.build(mod, target=target)
 
 
 @derived_object
@@ -579,6 +582,14 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
     remaining = max_trials - done
     say(f"{chip.name}: {len(tasks)} tasks, {done} trials already in {work_dir}, "
         f"{max(remaining, 0)} to run")
+    cores = int(chip.target_config.get("num-cores", os.cpu_count() or 1))
+    builder = builder or ms.builder.LocalBuilder(
+        max_workers=cores, timeout_sec=build_timeout_s, f_build=build_kernel)
+    runner = runner or ms.runner.LocalRunner()
+    if any(func.same_as(mod[gvar]) for gvar, func in kernels(mod).items()):
+        with chip.target:  # unscheduled kernels: their default schedule, as build() gives it
+            mod, _ = schedule_kernels(mod, chip, measure=False)
+    _measure_defaults(mod, chip, work_dir, builder, runner, say)
     if remaining <= 0:
         return db
     counter = _Counter()
@@ -602,14 +613,12 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
             rand_state=rand, num_threads=os.cpu_count() or 1).clone())
         weights.append(float(task.weight))
     progress = Progress(names, weights, done, max_trials, quiet)
-    cores = int(chip.target_config.get("num-cores", os.cpu_count() or 1))
     start = time.monotonic()
     ms.tune_tasks(
         tasks=contexts, task_weights=weights, work_dir=str(work_dir),
         max_trials_global=remaining, num_trials_per_iter=num_trials_per_iter,
-        builder=builder or ms.builder.LocalBuilder(
-            max_workers=cores, timeout_sec=build_timeout_s, f_build=build_kernel),
-        runner=runner or ms.runner.LocalRunner(),
+        builder=builder,
+        runner=runner,
         database=db,
         cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores, adaptive_training=True),
         measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
@@ -622,6 +631,41 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
         say(message)
     say(f"done: {progress.done - done} trials in {_fmt(time.monotonic() - start)}")
     return db
+
+
+def workload_key(workload: tvm.tirx.PrimFunc) -> str:
+    """Key of a workload in the defaults file: its structural hash."""
+    return str(tvm_ffi.structural_hash(workload))
+
+
+def _measure_defaults(mod, chip, work_dir: Path, builder, runner, say) -> None:
+    """Measure the module's current (default) schedule of every kernel not measured yet, with
+    the tuning runner, into ``work_dir/bnfold_default_schedules.json``: build() keeps a tuned
+    schedule only where it measured faster than that."""
+    path = work_dir / DEFAULTS_FILE
+    known = json.loads(path.read_text()) if path.exists() else {}
+    todo = {}
+    for gvar, workload in kernels(mod).items():
+        func = mod[gvar]
+        if (func.attrs or {}).get(WORKLOAD_ATTR) and workload_key(workload) not in known:
+            todo[workload_key(workload)] = (gvar.name_hint, func.without_attr(WORKLOAD_ATTR))
+    if not todo:
+        return
+    say(f"measuring the default schedule of {len(todo)} kernels")
+    items = list(todo.items())
+    inputs = [ms.builder.BuilderInput(IRModule({"main": f.with_attr("global_symbol", "main")}),
+                                      chip.target) for _, (_, f) in items]
+    built = builder.build(inputs)
+    ok = [(key, result) for (key, _), result in zip(items, built, strict=True)
+          if result.error_msg is None]
+    futures = runner.run([ms.runner.RunnerInput(
+        result.artifact_path, "cpu", ms.arg_info.ArgInfo.from_prim_func(todo[key][1]))
+        for key, result in ok])
+    for (key, _), future in zip(ok, futures, strict=True):
+        result = future.result()
+        if result.run_secs and not result.error_msg:
+            known[key] = {"kernel": todo[key][0], "secs": _mean(result.run_secs)}
+    path.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
 
 
 def _task_loggers(work_dir: Path, names: list[str]) -> list[logging.Logger]:
@@ -653,10 +697,11 @@ def database_dir(chip, work_dir=None, model: str | None = None) -> Path | None:
 
 
 def apply_database(mod: tvm.IRModule, chip, work_dir=None, model: str | None = None
-                   ) -> tuple[tvm.IRModule, list[str], list[str]]:
+                   ) -> tuple[tvm.IRModule, list[str], list[str], list[str]]:
     """``mod`` with every conv/matmul kernel scheduled: the tuned schedule where the database
-    has its workload, else the default one (one warning naming those). Returns the module and
-    the names of the tuned and the default-scheduled kernels."""
+    has its workload and it measured faster than the default schedule, else the default one
+    (one warning naming the kernels without a record). Returns the module and the names of
+    the tuned kernels, of those whose default schedule measured faster, and of the missing."""
     chip = chips.get(chip)
     with chip.target:
         if any(func.same_as(mod[gvar]) for gvar, func in kernels(mod).items()):
@@ -664,28 +709,46 @@ def apply_database(mod: tvm.IRModule, chip, work_dir=None, model: str | None = N
     found = kernels(mod)
     path = database_dir(chip, work_dir, model)
     tuned: list[str] = []
+    slower: list[str] = []  # tuned, but the default schedule measured faster
     if path is not None and (path / RECORD_FILE).exists():
         db = load_database(path)
+        defaults = (json.loads((path / DEFAULTS_FILE).read_text())
+                    if (path / DEFAULTS_FILE).exists() else {})
         with chip.target, db:
             applied = relax.transform.MetaScheduleApplyDatabase()(workload_module(mod))
         mod = mod.clone()
-        for gvar in found:
+        for gvar, workload in found.items():
             func = applied[gvar]
-            if func.attrs and func.attrs.get(_SCHEDULED, False):
-                mod.update_func(gvar, func)
-                tuned.append(gvar.name_hint)
-    missing = sorted(g.name_hint for g in found if g.name_hint not in tuned)
+            if not (func.attrs and func.attrs.get(_SCHEDULED, False)):
+                continue
+            default = defaults.get(workload_key(workload), {}).get("secs")
+            record = db.query_tuning_record(_normalize(workload), chip.target, gvar.name_hint)
+            if default is not None and record is not None and record.run_secs and \
+                    _mean(record.run_secs) >= default:
+                slower.append(gvar.name_hint)
+                continue
+            mod.update_func(gvar, func)
+            tuned.append(gvar.name_hint)
+    if slower:
+        logger.info("default schedule measured faster than the tuned one, kept for: %s",
+                    ", ".join(sorted(slower)))
+    missing = sorted(g.name_hint for g in found if g.name_hint not in tuned + slower)
     if path is not None and missing:
         warnings.warn(f"{len(missing)} kernel(s) have no tuning record in {path} and keep the "
                       f"default schedule: {', '.join(missing)}", stacklevel=2)
-    return _strip_workloads(mod), sorted(tuned), missing
+    return _strip_workloads(mod), sorted(tuned), sorted(slower), missing
+
+
+def _normalize(func: tvm.tirx.PrimFunc) -> IRModule:
+    """The module MetaSchedule keys a PrimFunc's records by (as MetaScheduleApplyDatabase)."""
+    return ms.tune_context._normalize_mod(func)
 
 
 def build(mod: tvm.IRModule, chip, work_dir=None, model: str | None = None):
     """Compile ``mod`` (after FoldBN+FuseEpilogue) for ``chip`` with the tuned schedules of
     ``work_dir`` (or ``tuning_logs/<chip>/<model>/``) where present; returns the executable."""
     chip = chips.get(chip)
-    scheduled, _, _ = apply_database(mod, chip, work_dir, model)
+    scheduled, *_ = apply_database(mod, chip, work_dir, model)
     return tvm.compile(scheduled, target=chip.target)
 
 
