@@ -118,6 +118,7 @@ def plot_latency(results: list[Result], model: str, path: Path) -> None:
             ax.text(x, 0.5, bench.NOT_RUN, transform=ax.get_xaxis_transform(), ha="center",
                     va="center", rotation=90, color="gray")
     ax.set_xticks(range(len(mine)), [r.chip.name for r in mine])
+    ax.set_xlim(-0.6, len(mine) - 0.4)
     ax.set_ylabel("latency per image, ms (median; whisker: p90)")
     ax.set_title(f"{model}: latency per variant and chip")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -270,7 +271,8 @@ def write(
                       out / f"registers_{model}.png"))
         plot_registers(results, model, plots[-1][1])
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = f"{_cpu()}; generated {stamp}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = f"{_cpu()}; generated {stamp}; load average {load} (1, 5, 15 min)"
     if peak:
         machine += f"; practical peak (2048^3 fp32 sgemm, numpy BLAS): {peak:.1f} GFLOP/s"
     notes = _notes(results, peak)
