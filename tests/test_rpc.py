@@ -1,8 +1,8 @@
-"""rpc: tracker address checks, make_runner on a loopback fleet (a tracker and three servers, real
+"""rpc: tracker address checks, make_runner on a loopback fleet (a tracker and two servers, real
 TVM RPC subprocesses), tuning over RPC, and what a run does when a server is killed or hangs.
 
-The fleet is shared by the module; the last two tests break servers on purpose (one each), so
-they run last, in file order."""
+The fleet is shared by the module; the last two tests break servers on purpose and start
+replacements when they need two live servers."""
 
 from __future__ import annotations
 
@@ -64,14 +64,22 @@ def _evaluator(min_repeat_ms: int) -> ms.runner.EvaluatorConfig:
     return ms.runner.EvaluatorConfig(number=1, repeat=1, min_repeat_ms=min_repeat_ms)
 
 
-def _live(fleet: rpc.LocalFleet, stopped=()) -> list[int]:
-    return [i for i, p in enumerate(fleet.servers) if p.poll() is None and i not in stopped]
+def _live(fleet: rpc.LocalFleet, n: int = 2) -> list[int]:
+    """Indices of the fleet's live servers, after starting new ones until there are ``n``."""
+    while sum(p.poll() is None for p in fleet.servers) < n:
+        fleet.add_server()
+    return [i for i, p in enumerate(fleet.servers) if p.poll() is None]
 
 
-def _measuring(fleet: rpc.LocalFleet, i: int) -> bool:
-    """Server ``i`` has loaded a module and not finished the session: it is measuring."""
+def _sessions(fleet: rpc.LocalFleet, i: int) -> int:
+    """How many modules server ``i`` has loaded: one per measurement session."""
+    return fleet.log(i).count("load_module")
+
+
+def _measuring(fleet: rpc.LocalFleet, i: int, after: int) -> bool:
+    """Server ``i`` has loaded its ``after + 1``-th module and not finished that session yet."""
     lines = fleet.log(i).strip().splitlines()
-    return bool(lines) and "load_module" in lines[-1]
+    return _sessions(fleet, i) > after and bool(lines) and "load_module" in lines[-1]
 
 
 def _records(path: Path) -> list[str]:
@@ -84,7 +92,7 @@ def _run_secs(line: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with rpc.LocalFleet(3, log_dir=tmp_path_factory.mktemp("fleet")) as local:
+    with rpc.LocalFleet(2, log_dir=tmp_path_factory.mktemp("fleet")) as local:
         yield local
 
 
@@ -136,7 +144,7 @@ def test_unknown_key_names_key_and_tracker(fleet):
 
 
 def test_make_runner_measures_on_the_fleet(fleet, matmul_input):
-    assert rpc.count_servers(fleet.tracker, fleet.key) == 3
+    assert rpc.count_servers(fleet.tracker, fleet.key) == 2
     runner = rpc.make_runner(fleet.tracker, fleet.key, session_timeout_s=7,
                              evaluator_config=_evaluator(10))
     assert isinstance(runner, ms.runner.RPCRunner)
@@ -147,6 +155,7 @@ def test_make_runner_measures_on_the_fleet(fleet, matmul_input):
     assert runner.pool._timeout == 14  # client-side bound: twice the session timeout
     results = [f.result() for f in runner.run([matmul_input] * 3)]
     assert [r.error_msg for r in results] == [None] * 3
+    assert all(_sessions(fleet, i) for i in range(2))  # both servers measured
     assert all(0 < float(r.run_secs[0]) < 1 for r in results)
 
 
@@ -160,7 +169,8 @@ def test_tune_over_rpc(fleet, tmp_path):
                    lambda bb, x: relax.op.nn.relu(bb.emit(relax.op.nn.conv2d(x, w, padding=1))))
     with CHIP.target:
         fused = FuseEpilogue(CHIP, measure=False)(mod)
-    served = [fleet.log(i).count("load_module") for i in range(3)]
+    live = _live(fleet)
+    served = sum(_sessions(fleet, i) for i in live)
     _unblock_metaschedule_logging()
     tune(fused, CHIP, tmp_path, max_trials=4, quiet=True, rpc_tracker=fleet.tracker,
          rpc_key=fleet.key, num_trials_per_iter=4, population_size=16, genetic_num_iters=1,
@@ -168,7 +178,7 @@ def test_tune_over_rpc(fleet, tmp_path):
     records = _records(tmp_path / RECORD_FILE)
     assert len(records) == 4
     assert all(_run_secs(r)[0] < FAILED for r in records)
-    assert sum(fleet.log(i).count("load_module") for i in range(3)) - sum(served) == 4
+    assert sum(_sessions(fleet, i) for i in live) - served >= 4  # all measured on the fleet
 
 
 def test_tuning_survives_a_server_killed_mid_run(fleet, tmp_path):
@@ -176,7 +186,6 @@ def test_tuning_survives_a_server_killed_mid_run(fleet, tmp_path):
     while it measures. Tuning finishes on the others, every record written before the kill is
     still there, and the database loads."""
     live = _live(fleet)
-    assert len(live) >= 2, "needs two live servers: run this file in order"
     victim = live[0]
     db = ms.database.JSONDatabase(work_dir=str(tmp_path))
     record_file = tmp_path / "database_tuning_record.json"
@@ -184,8 +193,11 @@ def test_tuning_survives_a_server_killed_mid_run(fleet, tmp_path):
     done = threading.Event()
 
     def kill_when_measuring():
+        seen = None  # the victim's session count once the first batch is in the database
         while not done.is_set():
-            if len(_records(record_file)) >= 4 and _measuring(fleet, victim):
+            if seen is None and len(_records(record_file)) >= 4:
+                seen = _sessions(fleet, victim)
+            if seen is not None and _measuring(fleet, victim, after=seen):
                 before_kill.extend(_records(record_file))
                 time.sleep(0.05)
                 fleet.kill(victim)
@@ -223,31 +235,40 @@ def test_tuning_survives_a_server_killed_mid_run(fleet, tmp_path):
 
 def test_runner_reports_a_killed_and_a_hung_server_as_failed_runs(fleet, matmul_input):
     """Killed mid-measurement: that candidate fails (no retry), the other is measured.
-    Hung (SIGSTOP, no TCP reset): the run fails after make_runner's client-side timeout
-    instead of blocking forever."""
+    Hung (SIGSTOP, no TCP reset), then no server at all: the run fails after make_runner's
+    client-side timeout instead of blocking forever."""
     live = _live(fleet)
-    assert len(live) >= 2, "needs two live servers: run this file in order"
     victim, survivor = live[:2]
     runner = rpc.make_runner(fleet.tracker, fleet.key, session_timeout_s=20,
                              evaluator_config=_evaluator(1500))
+    seen = _sessions(fleet, victim)
     futures = runner.run([matmul_input] * len(live))
     deadline = time.monotonic() + 60
-    while not _measuring(fleet, victim):
+    while not _measuring(fleet, victim, after=seen):
         assert time.monotonic() < deadline, "the victim server never measured"
         time.sleep(0.005)
     time.sleep(0.3)
     fleet.kill(victim)
     results = [f.result() for f in futures]
     errors = [r.error_msg for r in results if r.error_msg]
-    assert len(errors) == 1 and "RPCRunner: An exception occurred" in errors[0], "\n\n".join(errors)
+    assert len(errors) == 1, "\n\n".join(errors)
+    assert "RPCRunner: An exception occurred" in errors[0]
     assert sum(r.run_secs is not None for r in results) == len(live) - 1
 
-    stopped = [i for i in _live(fleet) if i != survivor] + [survivor]
-    for i in stopped:
-        os.killpg(fleet.servers[i].pid, signal.SIGSTOP)
+    hung = _live(fleet, n=1)  # the survivor: stop every live server, so the next run hangs
+    assert survivor in hung
     runner = rpc.make_runner(fleet.tracker, fleet.key, session_timeout_s=2, timeout_s=4,
                              evaluator_config=_evaluator(10))
-    start = time.monotonic()
+    try:
+        for i in hung:
+            os.killpg(fleet.servers[i].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        (result,) = [f.result() for f in runner.run([matmul_input])]
+        assert result.run_secs is None and "Timeout" in result.error_msg
+        assert time.monotonic() - start < 30  # 4 s once the pool worker has started
+    finally:
+        for i in hung:
+            fleet.kill(i)
+    fleet.wait_for_servers(0)  # no server left: the request waits at the tracker, then fails
     (result,) = [f.result() for f in runner.run([matmul_input])]
     assert result.run_secs is None and "Timeout" in result.error_msg
-    assert time.monotonic() - start < 30  # 4 s once the pool worker has started

@@ -8,29 +8,37 @@ Fleet machines run ``python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY
 ``python -m tvm.exec.rpc_tracker``. The runner opens one session per candidate (upload, random
 inputs, time) and keeps ``max_workers`` sessions in flight (default: one per registered server).
 
-What happens when a server dies (TVM 0.27, checked by tests/test_rpc.py):
+What happens when a server fails (TVM 0.27; tests/test_rpc.py checks all but the setup-time
+kill and the last two points, which come from reading TVM's code and one observed run):
 
-- Killed while measuring: the client's session socket is reset, the candidate's RunnerResult
-  carries ``RPCRunner: An exception occurred ...`` and MetaSchedule commits it as a failed run
-  (``run_secs`` = 1e10 s) - it is not retried on another server. Every other candidate goes on.
-- Killed while idle: its tracker connection closes and the tracker drops it, so later requests
-  go to the servers still registered. A request that races the kill and gets the dead address is
-  retried by ``TrackerSession.request`` (5 tries).
-- Hung (machine frozen, cable pulled, no TCP reset): TVM's own RPCRunner waits forever for the
-  session. ``make_runner`` therefore bounds each measurement on the client (``timeout_s``); past
-  it the worker is killed and the candidate becomes a failed run
-  (``RPCRunner: Timeout, killed after ...``). ``session_timeout_s`` is the server-side limit.
-- No server left: requests queue at the tracker until ``timeout_s``, then fail; the run finishes
-  with failed records instead of hanging.
+- Killed while measuring: the session's socket is reset, the candidate's RunnerResult is an error
+  (``RPCRunner: An exception occurred ... kShutdown`` or ``Connection reset by peer``) and
+  MetaSchedule commits it as a failed run (``run_secs`` 1e10). It is not retried elsewhere; the
+  rest of the batch and later batches are measured by the servers still registered.
+- Killed while idle: its tracker connection closes, the tracker drops it, later requests go to
+  the others. A request that got its address before that fails to connect, and
+  ``TrackerSession.request`` asks the tracker again (5 tries): measured elsewhere.
+- Hung (machine frozen, cable pulled: no TCP reset): TVM's RPCRunner has no client-side limit and
+  would wait forever. ``make_runner`` bounds each measurement (``timeout_s``, tracker queue wait
+  included); past it the worker is killed and the candidate fails (``RPCRunner: Timeout, killed
+  after <session timeout> seconds``).
+- Every server gone: requests queue at the tracker and fail after ``timeout_s`` each, so the run
+  ends with failed records instead of hanging.
+- A session longer than ``session_timeout_s`` is ended by the server and the candidate fails
+  (``RPCSessionTimeoutError``): keep it above upload + the longest kernel's measurement.
+- Seen once, after a kill during session setup: a session on a surviving server stayed open
+  after its measurement until the server's session timeout, idling that server that long.
 
-Records committed before a failure stay in the database: MetaSchedule commits a batch's records
-as soon as the batch is measured and JSONDatabase appends them to its file.
+Nothing committed is lost: MetaSchedule commits each batch's records once the batch is measured
+and JSONDatabase appends them to its file; a failing server costs only the candidates in flight
+on it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import struct
@@ -38,11 +46,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 from tvm.rpc import base
 from tvm.s_tir import meta_schedule as ms
-from tvm.support.popen_pool import PopenPoolExecutor
 
 from .errors import BNFoldError
 
@@ -127,12 +135,9 @@ def make_runner(
         session_timeout_sec=max(1, round(session_timeout_s)),
     )
     runner = ms.runner.RPCRunner(config, evaluator_config, max_workers=workers)
-    # TVM 0.27's RPCRunner pool has no timeout: a hung server would block tuning forever.
-    runner.pool.shutdown()
-    runner.pool = PopenPoolExecutor(
-        max_workers=workers,
-        timeout=timeout_s if timeout_s is not None else 2 * session_timeout_s,
-    )
+    # TVM 0.27's RPCRunner gives its pool no timeout, so a hung server would block tuning forever.
+    # Set the pool's per-call limit (its worker, started by RPCRunner's check, is reused).
+    runner.pool._timeout = timeout_s if timeout_s is not None else 2 * session_timeout_s
     return runner
 
 
@@ -162,6 +167,8 @@ class LocalFleet:
         self.tracker = ""
         self.tracker_proc: subprocess.Popen | None = None
         self.servers: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = []  # everything started, killed at close or exit
+        self._finalizer = weakref.finalize(self, _kill_all, self._procs)
 
     def __enter__(self) -> LocalFleet:
         try:
@@ -175,11 +182,13 @@ class LocalFleet:
         self.close()
 
     def _spawn(self, name: str, *args: str) -> subprocess.Popen:
-        with open(self.log_dir / f"{name}.log", "ab") as log:
-            return subprocess.Popen(
+        with open(self.log_dir / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(
                 [sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
+        self._procs.append(proc)
+        return proc
 
     def _wait(self, what: str, ready, procs: list[subprocess.Popen]) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -195,31 +204,35 @@ class LocalFleet:
 
     def start(self) -> None:
         """Start the tracker, then the servers; return once all servers are registered."""
-        port = _free_port()
-        self.tracker = f"127.0.0.1:{port}"
+        port = _free_port()  # a hint: the tracker takes the first free port from there
         self.tracker_proc = self._spawn(
             "tracker", "tvm.exec.rpc_tracker", "--host", "127.0.0.1",
-            "--port", str(port), "--port-end", str(port + 1))
+            "--port", str(port), "--port-end", str(port + 100))
 
         def tracker_up() -> bool:
-            try:
+            bound = re.search(r"bind to 127\.0\.0\.1:(\d+)",
+                              (self.log_dir / "tracker.log").read_text(errors="replace"))
+            if not bound:
+                return False
+            self.tracker = f"127.0.0.1:{bound.group(1)}"
+            try:  # it logs the port before it listens
                 tracker_summary(self.tracker, timeout_s=2.0)
-                return True
             except RPCFleetError:
                 return False
+            return True
 
-        self._wait(f"RPC tracker at {self.tracker}", tracker_up, [self.tracker_proc])
-        for i in range(self.n_servers):
-            self.add_server(name=f"server{i}", wait=False)
+        self._wait("RPC tracker", tracker_up, [self.tracker_proc])
+        for _ in range(self.n_servers):
+            self.add_server(wait=False)
         self.wait_for_servers(self.n_servers)
 
-    def add_server(self, name: str | None = None, wait: bool = True) -> subprocess.Popen:
-        """Start one more server under ``key``; with ``wait``, return once it is registered."""
-        before = len([p for p in self.servers if p.poll() is None])
+    def add_server(self, wait: bool = True) -> subprocess.Popen:
+        """Start server ``len(servers)`` under ``key``; with ``wait``, return once registered."""
+        before = sum(p.poll() is None for p in self.servers)
         port = _free_port()
         proc = self._spawn(
-            name or f"server{len(self.servers)}", "tvm.exec.rpc_server", "--host", "127.0.0.1",
-            "--port", str(port), "--port-end", str(port + 1),
+            f"server{len(self.servers)}", "tvm.exec.rpc_server", "--host", "127.0.0.1",
+            "--port", str(port), "--port-end", str(port + 100),
             "--tracker", self.tracker, "--key", self.key)
         self.servers.append(proc)
         if wait:
@@ -242,9 +255,12 @@ class LocalFleet:
 
     def close(self) -> None:
         """SIGKILL every process this fleet started (they hold no state worth a clean exit)."""
-        for proc in [*self.servers, self.tracker_proc]:
-            if proc is not None:
-                _kill_group(proc, signal.SIGKILL)
+        self._finalizer()
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        _kill_group(proc, signal.SIGKILL)
 
 
 def _kill_group(proc: subprocess.Popen, sig: int) -> None:
