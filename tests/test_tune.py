@@ -274,16 +274,21 @@ def test_chip_that_cannot_run_here_needs_an_rpc_runner(tmp_path, chip):
         tune(fmod, chip, tmp_path, max_trials=4, quiet=True)
 
 
-def test_sigkill_mid_run_leaves_a_database_that_loads(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_run_leaves_a_database_that_loads(tmp_path, sig):
+    # SIGKILL: with MetaSchedule's LocalBuilder (worker processes); SIGINT: building in process.
+    builder = "None" if sig == signal.SIGKILL else "InProcessBuilder()"
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_tune import conv_module, fused, SMALL, CHIP
-        from tvm_bnfold.tune import tune
-        mod, _ = conv_module(seed=2)  # MetaSchedule's LocalBuilder (worker processes)
-        tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True, **SMALL)
+        from tvm_bnfold.tune import InProcessBuilder, tune
+        mod, _ = conv_module(seed=2)
+        tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True,
+             builder={builder}, **SMALL)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)
     path = tmp_path / RECORD_FILE
     deadline = time.monotonic() + 240
     try:
@@ -291,14 +296,20 @@ def test_sigkill_mid_run_leaves_a_database_that_loads(tmp_path):
             if path.exists() and len(lines(path)) >= 2:
                 break
             time.sleep(0.2)
-        assert proc.poll() is None, "the tuning run ended before it could be killed"
+        assert proc.poll() is None, "the tuning run ended before it could be interrupted"
         assert path.exists() and len(lines(path)) >= 2, "no records within 4 minutes"
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=120)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if sig == signal.SIGINT:  # stops after committing the batch in flight, and says so
+        assert proc.returncode != 0 and "tuning interrupted" in err
+        assert f"holds {len(lines(path))} trials" in err
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a truncated last line, if the kill cut one
         db = load_database(tmp_path, repair=True)
     assert len(db.get_all_tuning_records()) >= 2
-    with work_dir_lock(tmp_path):  # the killed run's lock is gone with it
+    with work_dir_lock(tmp_path):  # the interrupted run's lock is gone with it
         pass

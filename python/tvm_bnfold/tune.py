@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -402,8 +403,10 @@ class CommitEachBatch(ms.task_scheduler.PyTaskScheduler):
     ``best``: best latency per task already in the database (its tasks skip the round-robin
     pass; their gradient starts from it)."""
 
-    def __init__(self, best: dict[int, float], alpha: float = 0.2, window: int = 3) -> None:
+    def __init__(self, best: dict[int, float], stop: threading.Event | None = None,
+                 alpha: float = 0.2, window: int = 3) -> None:
         super().__init__()
+        self.stop = stop or threading.Event()
         self.history = {t: [s] for t, s in best.items()}
         self.alpha, self.window = alpha, window
         self.in_flight: set[int] = set()
@@ -419,6 +422,8 @@ class CommitEachBatch(ms.task_scheduler.PyTaskScheduler):
                     last = self.history.get(task_id, [math.inf])[-1]
                     self.history.setdefault(task_id, []).append(min([last, *secs]))
         self.in_flight.clear()
+        if self.stop.is_set():  # interrupted: the batches in flight are committed; stop
+            return -1
         alive = []
         for task_id in range(len(outer.tasks_)):
             outer.touch_task(task_id)
@@ -614,6 +619,46 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
         weights.append(float(task.weight))
     progress = Progress(names, weights, done, max_trials, quiet)
     start = time.monotonic()
+    stop = threading.Event()
+    with _stop_on_sigint(stop):
+        _run_tasks(contexts, weights, work_dir, remaining, num_trials_per_iter, builder, runner,
+                   db, cores, progress, CommitEachBatch(best, stop))
+    for name in names:
+        message = (f"task {name}: register-pressure check discarded "
+                   f"{counter.counts.get(name, 0)} candidates")
+        logger.info(message)
+        say(message)
+    say(f"{'interrupted' if stop.is_set() else 'done'}: {progress.done - done} trials in "
+        f"{_fmt(time.monotonic() - start)}, {progress.done} in {work_dir}")
+    if stop.is_set():
+        raise KeyboardInterrupt(f"tuning interrupted; {work_dir} holds {progress.done} trials, "
+                                "re-run to resume")
+    return db
+
+
+@contextlib.contextmanager
+def _stop_on_sigint(stop: threading.Event) -> Iterator[None]:
+    """Ctrl-C (SIGINT) sets ``stop``: the run ends after the batch in flight is committed
+    (MetaSchedule would otherwise swallow the KeyboardInterrupt). A second one is the default
+    KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def handler(signum, frame):
+        stop.set()
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_tasks(contexts, weights, work_dir, remaining, num_trials_per_iter, builder, runner,
+               db, cores, progress, scheduler) -> None:
     ms.tune_tasks(
         tasks=contexts, task_weights=weights, work_dir=str(work_dir),
         max_trials_global=remaining, num_trials_per_iter=num_trials_per_iter,
@@ -622,15 +667,8 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
         database=db,
         cost_model=ms.cost_model.XGBModel(num_tuning_cores=cores, adaptive_training=True),
         measure_callbacks=[*ms.measure_callback.MeasureCallback.create("default"), progress],
-        task_scheduler=CommitEachBatch(best),
+        task_scheduler=scheduler,
     )
-    for name in names:
-        message = (f"task {name}: register-pressure check discarded "
-                   f"{counter.counts.get(name, 0)} candidates")
-        logger.info(message)
-        say(message)
-    say(f"done: {progress.done - done} trials in {_fmt(time.monotonic() - start)}")
-    return db
 
 
 def workload_key(workload: tvm.tirx.PrimFunc) -> str:
