@@ -8,8 +8,8 @@ Fleet machines run ``python -m tvm.exec.rpc_server --tracker HOST:PORT --key KEY
 ``python -m tvm.exec.rpc_tracker``. The runner opens one session per candidate (upload, random
 inputs, time) and keeps ``max_workers`` sessions in flight (default: one per registered server).
 
-What happens when a server fails (TVM 0.27; tests/test_rpc.py checks all but the setup-time
-kill and the last two points, which come from reading TVM's code and one observed run):
+What happens when a server fails (TVM 0.27; tests/test_rpc.py checks the first four points, all
+but the retry; the rest comes from TVM's code and runs by hand):
 
 - Killed while measuring: the session's socket is reset, the candidate's RunnerResult is an error
   (``RPCRunner: An exception occurred ... kShutdown`` or ``Connection reset by peer``) and
@@ -18,10 +18,10 @@ kill and the last two points, which come from reading TVM's code and one observe
 - Killed while idle: its tracker connection closes, the tracker drops it, later requests go to
   the others. A request that got its address before that fails to connect, and
   ``TrackerSession.request`` asks the tracker again (5 tries): measured elsewhere.
-- Hung (machine frozen, cable pulled: no TCP reset): TVM's RPCRunner has no client-side limit and
-  would wait forever. ``make_runner`` bounds each measurement (``timeout_s``, tracker queue wait
-  included); past it the worker is killed and the candidate fails (``RPCRunner: Timeout, killed
-  after <session timeout> seconds``).
+- Hung (machine frozen, cable pulled: no TCP reset): TVM's RPCRunner has no client-side limit (a
+  SIGSTOPped server kept it waiting past 45 s with a 2 s session timeout). ``make_runner`` bounds
+  each measurement (``timeout_s``, tracker queue wait included); past it the worker is killed
+  and the candidate fails (``RPCRunner: Timeout, killed after <session timeout> seconds``).
 - Every server gone: requests queue at the tracker and fail after ``timeout_s`` each, so the run
   ends with failed records instead of hanging.
 - A session longer than ``session_timeout_s`` is ended by the server and the candidate fails
@@ -151,8 +151,9 @@ class LocalFleet:
     """A loopback RPC tracker and ``n_servers`` servers, each a subprocess in its own process group.
 
     Use as a context manager; ``tracker`` is ``"127.0.0.1:PORT"``, ``key`` the servers' key.
-    ``kill(i)`` SIGKILLs server ``i`` (its forked session workers too); ``close()`` stops all.
-    Logs go to ``log_dir`` (``tracker.log``, ``server0.log``, ...).
+    ``kill(i)`` SIGKILLs server ``i`` (its forked session workers too); ``close()``, or a normal
+    interpreter exit, kills all (a SIGKILLed parent leaves them running). Logs go to ``log_dir``
+    (``tracker.log``, ``server0.log``, ...; rewritten by each fleet).
     """
 
     def __init__(self, n_servers: int = 2, key: str = "bnfold-local",
