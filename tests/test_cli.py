@@ -1,6 +1,7 @@
 """The tvm-bnfold command: help, one-line user errors, fold, compile (.so loads and runs), demo,
 bench and tune, all on a tiny ONNX model."""
 
+import functools
 import os
 import shutil
 import subprocess
@@ -158,8 +159,11 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
 
 
 def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys):
-    pytest.importorskip("tvm_bnfold.tune", reason="tune.py (issue 4) has not landed")
+    tune = pytest.importorskip("tvm_bnfold.tune", reason="tune.py (issue 4) has not landed")
     monkeypatch.setattr(bench, "TUNING_LOGS", tmp_path / "logs")
+    # A small real search (the defaults search 512 candidates x 4 generations per batch).
+    monkeypatch.setattr(tune, "tune", functools.partial(
+        tune.tune, population_size=16, genetic_num_iters=1, num_trials_per_iter=2))
     assert cli.main(["tune", tiny, "--chip", "avx2", "--trials", "2", "--quiet"]) == 0
     work_dir = tmp_path / "logs" / "avx2" / "tiny"
     assert (work_dir / "database_tuning_record.json").is_file()
