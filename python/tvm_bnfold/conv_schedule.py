@@ -114,7 +114,7 @@ class _Knobs:
     """Per-target knobs of the schedule."""
 
     lanes: int
-    vector_regs: int  # the register file a tile's live registers (temporaries included) fit
+    vector_regs: int  # the register-pressure check's static budget for a tile
     cores: int
     max_vectors: int = 4  # vectors per tile row
     max_hrows: int = 4  # more output rows per tile: LLVM hoists their loads and spills
@@ -131,7 +131,8 @@ class _Knobs:
         if chip.kind != "cpu":
             raise BNFoldError(f"conv_schedule is a CPU schedule; chip {chip.name!r} is {chip.kind}")
         cores = int(chip.target_config.get("num-cores", 1))
-        return _Knobs(lanes=chip.lanes(dtype), vector_regs=chip.vector_regs, cores=cores)
+        budget = register_pressure.static_budget(chip, dtype)
+        return _Knobs(lanes=chip.lanes(dtype), vector_regs=budget, cores=cores)
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,17 +415,15 @@ def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
 
 def live_vector_registers(anchor: Anchor, tile: Tile, chip) -> int:
     """Static estimate of the vector registers the fused kernel keeps live: the accumulator
-    tile plus the larger of its two phases' extra registers — the temporaries of one reduction
-    step (input vectors or weight broadcasts), or the epilogue's operands (bias, residual) and
-    constants (0 of relu, 0 and 6 of clip), which only live once the reduction is done."""
+    tile, the epilogue's operands (bias, residual) and constants (0 of relu, 0 and 6 of clip),
+    and the temporaries of one reduction step (input vectors or weight broadcasts)."""
     del chip  # the tile carries the chip's lanes
     # Shared inputs: either the step's input vectors stay live while the weight broadcasts
     # stream, or the broadcasts stay live while the inputs stream (LLVM picks the cheaper one).
     # Depthwise: a broadcast per channel row (reused across its vectors), the input, one spare.
     shared = min(tile.rows, tile.hrows * tile.vectors) + 1
     temporaries = shared if anchor.shared_input else tile.rows + 2
-    epilogue = anchor.epilogue_operands + anchor.epilogue_constants
-    return register_pressure.estimate_live_vregs(tile.accumulators, epilogue, temporaries)
+    return tile.accumulators + temporaries + anchor.epilogue_operands + anchor.epilogue_constants
 
 
 def _odd_tail(width: int, tile: Tile) -> bool:

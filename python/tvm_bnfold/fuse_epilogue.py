@@ -148,7 +148,7 @@ def choose_schedule(
 ) -> tuple[tvm.tirx.PrimFunc, FusionRecord]:
     """The register-pressure check: walk tiles (largest first) and epilogue levels until one
     fits the static budget and, when ``measure``, compiles without spills."""
-    budget = chip.vector_regs  # the estimate counts the reduction's temporaries too
+    budget = register_pressure.static_budget(chip, anchor.dtype)
     rejected: list[str] = []
     candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
     for tile in candidates:

@@ -85,15 +85,16 @@ def static_budget(chip: str | chips.Chip, dtype: str = "float32") -> int:
 def estimate_live_vregs(accumulators: int, epilogue_operands: int, temporaries: int = 2) -> int:
     """Peak live vector registers of a register tile with its epilogue applied in place.
 
-    The model: every accumulator of the tile is live across the whole reduction and the
-    epilogue; ``temporaries`` are the operand registers of one reduction step live at once; the
-    epilogue's operands and constants (a bias vector, a residual vector, relu's 0) are only live
-    once the reduction is done, when the temporaries are dead. Peak = accumulators + the larger
-    of the two; it fits when it is at most ``chip.vector_regs``.
+    The model: every accumulator of the tile is live across the whole reduction; the epilogue
+    runs on the tile before it is written back, so its operands (a bias / scale vector, a
+    residual vector) are live together with all accumulators; ``temporaries`` are the operand
+    registers of the inner product live at once. Peak = the sum; it fits when it is at most
+    ``chip.vector_regs`` (equivalently: accumulators + operands <= :func:`static_budget` with
+    the default ``temporaries`` = :data:`CPU_RESERVE`).
 
     Measured with LLVM (avx512, avx2, aarch64): a GEMM tile of ``rows x vecs`` vectors that
     loads its ``vecs`` weight vectors once per reduction step and broadcasts one input keeps
-    ``temporaries = vecs + 1`` live, and spills exactly when the peak exceeds the register file.
+    ``temporaries = vecs + 1`` live, and spills exactly when the sum exceeds the register file.
     """
     for name, value in (
         ("accumulators", accumulators),
@@ -102,7 +103,7 @@ def estimate_live_vregs(accumulators: int, epilogue_operands: int, temporaries: 
     ):
         if value < 0:
             raise BNFoldError(f"estimate_live_vregs: {name} must be >= 0, got {value}")
-    return accumulators + max(epilogue_operands, temporaries)
+    return accumulators + epilogue_operands + temporaries
 
 
 # Assembly analysis --------------------------------------------------------------------------
