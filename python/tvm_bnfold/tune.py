@@ -16,9 +16,12 @@ before it is built or measured.
 
 The databases are MetaSchedule's standard ``database_workload.json`` and
 ``database_tuning_record.json`` in ``work_dir``; stock ``relax.transform.MetaScheduleApplyDatabase``
-reads them too. A re-run resumes: records already there count towards ``max_trials`` and are
-never measured again. A kill leaves at most a truncated last line, which is dropped with a
-warning; any other bad line is a :class:`DatabaseError` naming file and line.
+reads them too. Next to them, ``bnfold_default_schedules.json`` holds the measured latency of
+each kernel's default schedule: build() keeps a tuned schedule only where it measured faster.
+A re-run resumes: records already there count towards ``max_trials`` and are never measured
+again; Ctrl-C ends a run after committing the batch in flight. A kill leaves at most a
+truncated last line, which is dropped with a warning; any other bad line is a
+:class:`DatabaseError` naming file and line.
 """
 
 from __future__ import annotations
