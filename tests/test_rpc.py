@@ -139,7 +139,8 @@ def test_unreachable_tracker_is_a_clear_error():
 def test_unknown_key_names_key_and_tracker(fleet):
     port = fleet.tracker.split(":")[1]
     with pytest.raises(RPCFleetError,
-                       match=f"no RPC server registered under key 'nope' at 127.0.0.1:{port}"):
+                       match=f"no RPC server registered under key 'nope' at 127.0.0.1:{port} "
+                             rf"\(keys registered there: {fleet.key}\)"):
         rpc.make_runner(fleet.tracker, "nope")
 
 

@@ -99,9 +99,12 @@ def tracker_summary(tracker: str, timeout_s: float = 5.0) -> dict:
 
 def count_servers(tracker: str, key: str, timeout_s: float = 5.0) -> int:
     """How many servers are registered at ``tracker`` under ``key`` (busy ones included)."""
-    _check_key(key)
+    return _server_keys(tracker, timeout_s).count(_check_key(key))
+
+
+def _server_keys(tracker: str, timeout_s: float = 5.0) -> list[str]:
     infos = tracker_summary(tracker, timeout_s)["server_info"]
-    return sum(info.get("key") == f"server:{key}" for info in infos)
+    return [info["key"].removeprefix("server:") for info in infos if "key" in info]
 
 
 def make_runner(
@@ -122,12 +125,17 @@ def make_runner(
     number of servers registered now.
     """
     host, port = parse_tracker(tracker)
-    n_servers = count_servers(tracker, key)
-    if n_servers == 0:
-        raise RPCFleetError(f"no RPC server registered under key {key!r} at {host}:{port}")
+    _check_key(key)
     if session_timeout_s <= 0 or (timeout_s is not None and timeout_s <= 0):
         raise RPCFleetError("RPC session_timeout_s and timeout_s must be positive")
-    workers = max_workers or n_servers
+    if max_workers is not None and max_workers < 1:
+        raise RPCFleetError(f"RPC max_workers must be >= 1, got {max_workers}")
+    keys = _server_keys(tracker)
+    if key not in keys:
+        others = ", ".join(sorted(set(keys))) or "none"
+        raise RPCFleetError(f"no RPC server registered under key {key!r} at {host}:{port} "
+                            f"(keys registered there: {others})")
+    workers = max_workers or keys.count(key)
     config = ms.runner.RPCConfig(
         tracker_host=host,
         tracker_port=port,
