@@ -173,7 +173,7 @@ def test_scheduled_kernel_matches_the_unscheduled_one(case, chip, mode):
     chip = chips.get(chip)
     func = _kernel(case)
     scheduled = cs.schedule(func, chip, epilogue=mode)
-    assert scheduled.attrs["tir.is_scheduled"]
+    assert scheduled.attrs["tirx.is_scheduled"]
     out = _run(scheduled, _host_target(chip), list(_inputs(case)))
     np.testing.assert_allclose(out, _reference(case), rtol=1e-5, atol=1e-5)
 

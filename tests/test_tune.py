@@ -137,7 +137,8 @@ def test_tuned_build_matches_unfused_module(tuned, tmp_path):
         warnings.simplefilter("error")  # every kernel has a record: no warning
         scheduled, names, slower, missing = apply_database(fmod, CHIP, tmp_path / "db")
     assert names == [kernel.name_hint] and not slower and not missing
-    assert "tirx.is_scheduled" in scheduled[kernel.name_hint].attrs
+    ours = fmod[kernel].without_attr(WORKLOAD_ATTR)
+    assert not tvm_ffi.structural_equal(scheduled[kernel.name_hint], ours)
     assert_close(vm_run(tvm.compile(scheduled, target=CHIP.target), x), run(mod, x))
     assert_close(vm_run(build(fmod, CHIP, work_dir=work_dir), x), run(mod, x))
     # A default schedule measured faster than every record is kept.
@@ -147,7 +148,25 @@ def test_tuned_build_matches_unfused_module(tuned, tmp_path):
         warnings.simplefilter("error")
         scheduled, names, slower, missing = apply_database(fmod, CHIP, tmp_path / "db")
     assert not names and slower == [kernel.name_hint] and not missing
-    assert "tirx.is_scheduled" not in scheduled[kernel.name_hint].attrs
+    tvm.ir.assert_structural_equal(scheduled[kernel.name_hint], ours)
+
+
+def test_database_in_context_takes_precedence_in_fuse_epilogue(tuned):
+    """FuseEpilogue's phase 2: a kernel the database in context has keeps the tuned schedule
+    (decision "database"); tune() can still find its workload."""
+    mod, x, fmod, work_dir = tuned
+    fuse = FuseEpilogue(CHIP, measure=False)
+    with CHIP.target, load_database(work_dir):
+        out = fuse(mod)
+    (record,) = fuse.report
+    assert record.decision == "database" and record.ops[0].startswith("conv2d")
+    with CHIP.target, load_database(work_dir):
+        stock = relax.transform.MetaScheduleApplyDatabase()(fuse_graph(mod))
+    ((kernel, workload),) = kernels(out).items()
+    tuned_func = out[kernel].without_attr(WORKLOAD_ATTR)
+    tvm.ir.assert_structural_equal(tuned_func, stock[kernel.name_hint])
+    tvm.ir.assert_structural_equal(workload, next(iter(kernels(fmod).values())))
+    assert_close(vm_run(tvm.compile(out, target=CHIP.target), x), run(mod, x))
 
 
 def test_database_is_standard_for_stock_apply_database(tuned):

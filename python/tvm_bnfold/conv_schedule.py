@@ -45,6 +45,8 @@ EPILOGUE_MODES = ("register", "cache", "separate")
 _DATA_PAR = 0  # tirx.IterVar.DataPar
 _COMM_REDUCE = 2  # tirx.IterVar.CommReduce
 _HINT = "pragma_loop_partition_hint"
+#: The attribute TVM 0.27 (MetaSchedule, dlight) reads and writes on a scheduled PrimFunc.
+SCHEDULED_ATTR = "tirx.is_scheduled"
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def analyze(func: tirx.PrimFunc) -> Anchor | None:
 
 def _analyze(func: tirx.PrimFunc) -> Anchor | str:
     """The Anchor, or the reason why there is none."""
-    if func.attrs is not None and "tir.is_scheduled" in func.attrs:
+    if func.attrs is not None and SCHEDULED_ATTR in func.attrs:
         return "already scheduled"
     try:
         sch = s_tir.Schedule(func)
@@ -496,7 +498,7 @@ def _with_block_rows(anchor: Anchor, tile: Tile, knobs: _Knobs) -> Tile:
 def schedule(
     func: tirx.PrimFunc, chip, tile: Tile | None = None, epilogue: str = "register"
 ) -> tirx.PrimFunc:
-    """``func`` with a register-tiled, vectorized, parallel CPU schedule (``tir.is_scheduled``).
+    """``func`` with a register-tiled, vectorized, parallel CPU schedule (``tirx.is_scheduled``).
 
     ``epilogue``: ``"register"`` applies the epilogue chain to the register tile before the
     single write of the output; ``"cache"`` stores the register tile and runs the epilogue per
@@ -610,7 +612,7 @@ def schedule(
             for loop in sch.get_loops(b):
                 if sch.get(loop).kind != tirx.ForKind.PARALLEL:
                     sch.annotate(loop, _HINT, 1)
-    return sch.mod["main"].with_attr("tir.is_scheduled", True)
+    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
 
 
 def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:

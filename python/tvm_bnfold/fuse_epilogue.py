@@ -101,6 +101,7 @@ def schedule_kernels(
 ) -> tuple[tvm.IRModule, list[FusionRecord]]:
     """Schedule every conv/matmul kernel of a legalized module; returns a new module."""
     # Phase 2. A MetaSchedule database in context takes precedence.
+    unscheduled = mod
     if ms.Database.current() is not None:
         with chip.target:
             mod = relax.transform.MetaScheduleApplyDatabase(enable_warning=False)(mod)
@@ -109,17 +110,20 @@ def schedule_kernels(
     # Phase 3. Our default schedule, after the register-pressure check.
     records, updates = [], {}
     for gvar, func in mod.functions.items():
-        anchor = conv_schedule.analyze(func) if isinstance(func, tvm.tirx.PrimFunc) else None
+        if not isinstance(func, tvm.tirx.PrimFunc):
+            continue
+        before = unscheduled[gvar.name_hint]
+        if _is_scheduled(func):  # by the database now, or by an earlier run (no record)
+            anchor = None if before.same_as(func) else conv_schedule.analyze(before)
+            if anchor is not None:
+                records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
+                updates[gvar] = _with_workload(func, before)
+            continue
+        anchor = conv_schedule.analyze(func)
         if anchor is None:
             continue
-        if _is_scheduled(func):
-            records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
-            continue
         scheduled, record = choose_schedule(func, anchor, chip, measure)
-        # The unscheduled kernel stays reachable for MetaSchedule (tune.py tunes it), packed
-        # as a string: the script printer cannot print a PrimFunc inside attributes.
-        packed = base64.b64encode(zlib.compress(tvm.ir.save_json(func).encode())).decode()
-        updates[gvar] = scheduled.with_attr(WORKLOAD_ATTR, packed)
+        updates[gvar] = _with_workload(scheduled, func)
         record.kernel = gvar.name_hint
         records.append(record)
     mod = mod.clone()  # never update the caller's module in place
@@ -202,9 +206,16 @@ def _schedule_gpu(
     return mod, records
 
 
+def _with_workload(scheduled: tvm.tirx.PrimFunc, workload: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """``scheduled`` keeping its unscheduled form reachable for MetaSchedule (tune.py tunes
+    it), packed as a string: the script printer cannot print a PrimFunc inside attributes."""
+    packed = base64.b64encode(zlib.compress(tvm.ir.save_json(workload).encode())).decode()
+    return scheduled.with_attr(WORKLOAD_ATTR, packed)
+
+
 def _ops(anchor: conv_schedule.Anchor) -> list[str]:
     return [anchor.kind, *anchor.epilogue]
 
 
 def _is_scheduled(func: tvm.tirx.PrimFunc) -> bool:
-    return bool(func.attrs and func.attrs.get("tir.is_scheduled", False))
+    return bool(func.attrs and func.attrs.get(conv_schedule.SCHEDULED_ATTR, False))

@@ -67,7 +67,7 @@ RECORD_FILE = "database_tuning_record.json"
 LOCK_FILE = ".tune.lock"
 #: Measured latency of the default schedule of each tuned workload (not a MetaSchedule file).
 DEFAULTS_FILE = "bnfold_default_schedules.json"
-_SCHEDULED = "tirx.is_scheduled"
+_SCHEDULED = conv_schedule.SCHEDULED_ATTR
 
 
 class TuningError(BNFoldError):
