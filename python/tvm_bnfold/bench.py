@@ -34,6 +34,7 @@ VARIANTS = {
     "foldbn": "FoldBN only",
     "ours": "FoldBN+FuseEpilogue (default schedule)",
     "tuned": "FoldBN+FuseEpilogue (tuned)",
+    "stock-tuned": "stock TVM fusion (tuned, same policy)",
     "onnxruntime": "ONNX Runtime",
 }
 NOT_RUN = "not run: no device"
@@ -341,23 +342,30 @@ def compare(
         rows.append(row)
     ours = rows[-1]
     extra = []
-    if runs:
+    # Tuned: ours with tuning_logs/<chip>/<model>/, and the stock graph with <model>-stock/
+    # (tuned with the same budget; both keep the default schedule where it measured faster).
+    tuned_sources = [("tuned", "ours", name, ours)]
+    if "stock" in found:
+        stock_row = next(r for r in rows if r["variant"] == "stock")
+        tuned_sources.append(("stock-tuned", "stock", f"{name}-stock", stock_row))
+    for variant, source, db_name, like in tuned_sources if runs else ():
         try:
-            tuned = build_tuned(found["ours"].mod, chip, name)
+            tuned = build_tuned(found[source].mod, chip, db_name)
         except Exception as err:  # e.g. a database being written by a tuning run right now
-            say(f"{chip.name}/{name}/tuned: skipped, cannot use {tuning_dir(chip, name)}: "
+            say(f"{chip.name}/{name}/{variant}: skipped, cannot use "
+                f"{tuning_dir(chip, db_name)}: "
                 + next(iter(str(err).splitlines()), type(err).__name__))
             tuned = None
         if tuned is not None:
-            say(f"{chip.name}/{name}/tuned: timing with {tuning_dir(chip, name)}")
-            extra.append(("tuned", dict(ours), latency(tuned, inputs, chip.target, repeat)))
-        if onnx_model is not None:
-            say(f"{chip.name}/{name}/onnxruntime: timing")
-            measured = onnxruntime_latency(onnx_model, inputs, repeat)
-            if measured is not None:
-                row = {k: None for k in ours} | dict(
-                    model=name, chip=chip.name, parameter_mb=parameter_bytes(mod) / 1e6)
-                extra.append(("onnxruntime", row, measured))
+            say(f"{chip.name}/{name}/{variant}: timing with {tuning_dir(chip, db_name)}")
+            extra.append((variant, dict(like), latency(tuned, inputs, chip.target, repeat)))
+    if runs and onnx_model is not None:
+        say(f"{chip.name}/{name}/onnxruntime: timing")
+        measured = onnxruntime_latency(onnx_model, inputs, repeat)
+        if measured is not None:
+            row = {k: None for k in ours} | dict(
+                model=name, chip=chip.name, parameter_mb=parameter_bytes(mod) / 1e6)
+            extra.append(("onnxruntime", row, measured))
     for variant, row, (median, p90, out) in extra:
         row.update(variant=variant, median_ms=median * 1e3, p90_ms=p90 * 1e3,
                    max_abs_err=float(np.abs(out - ref).max()))
