@@ -159,7 +159,7 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
 
 
 def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys):
-    tune = pytest.importorskip("tvm_bnfold.tune", reason="tune.py (issue 4) has not landed")
+    from tvm_bnfold import tuning as tune
     monkeypatch.setattr(bench, "TUNING_LOGS", tmp_path / "logs")
     # A small real search (the defaults search 512 candidates x 4 generations per batch).
     monkeypatch.setattr(tune, "tune", functools.partial(

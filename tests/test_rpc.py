@@ -161,8 +161,8 @@ def test_make_runner_measures_on_the_fleet(fleet, matmul_input):
 
 
 def test_tune_over_rpc(fleet, tmp_path):
-    """tvm_bnfold.tune.tune with rpc_tracker/rpc_key measures on the fleet."""
-    from tvm_bnfold.tune import RECORD_FILE, tune
+    """tvm_bnfold.tuning.tune with rpc_tracker/rpc_key measures on the fleet."""
+    from tvm_bnfold.tuning import RECORD_FILE, tune
 
     rng = np.random.default_rng(0)
     w = relax.const(rng.normal(0, 0.3, (8, 4, 3, 3)).astype("float32"))

@@ -6,7 +6,7 @@ from .errors import BNFoldError
 from .fold_bn import FoldBN, FoldRecord
 from .fuse_epilogue import FuseEpilogue, FusionRecord
 from .models import load_onnx
-from .tune import build, tune
+from .tuning import build, tune
 
 __all__ = ["BNFoldError", "FoldBN", "FoldRecord", "FuseEpilogue", "FusionRecord", "build", "chips",
            "load_onnx", "tune"]

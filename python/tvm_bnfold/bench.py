@@ -26,6 +26,7 @@ from . import chips
 from .fold_bn import FoldBN
 from .fuse_epilogue import FuseEpilogue, FusionRecord, fuse_graph, schedule_kernels
 from .models import BUILTIN, load_onnx, random_inputs
+from .tuning import TUNING_LOGS, build
 
 # Variant key -> label, in table order.
 VARIANTS = {
@@ -38,7 +39,6 @@ VARIANTS = {
     "onnxruntime": "ONNX Runtime",
 }
 NOT_RUN = "not run: no device"
-TUNING_LOGS = Path(__file__).resolve().parents[2] / "tuning_logs"
 
 
 def use_all_cores() -> None:
@@ -279,12 +279,8 @@ def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
 
 def build_tuned(mod: tvm.IRModule, chip: chips.Chip, model: str):
     """The executable of ``mod`` (after FoldBN+FuseEpilogue) with the chip/model's tuned
-    schedules, or None when no tuning database (or no tune module) is there."""
+    schedules, or None when no tuning database is there."""
     if tuning_dir(chip, model) is None:
-        return None
-    try:
-        from .tune import build
-    except ImportError:
         return None
     return build(mod, chip, work_dir=str(tuning_dir(chip, model)), model=model)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tvm
 
-from . import bench, chips, report
+from . import bench, chips, report, rpc, tuning
 from .errors import BNFoldError
 from .fold_bn import FoldBN
 from .fuse_epilogue import FuseEpilogue
@@ -227,17 +227,11 @@ def _tune(args) -> None:
     if bool(args.rpc_tracker) != bool(args.rpc_key):
         raise BNFoldError("--rpc-tracker and --rpc-key go together")
     if args.rpc_tracker:
-        host, _, port = args.rpc_tracker.rpartition(":")
-        if not host or not port.isdigit():
-            raise BNFoldError(f"--rpc-tracker must be HOST:PORT, got {args.rpc_tracker!r}")
-    try:
-        from .tune import tune
-    except ImportError as err:
-        raise BNFoldError(f"tuning is not available: {err}") from err
+        rpc.parse_tracker(args.rpc_tracker)
     name = report.model_name(args.model)
     work_dir = Path(args.work_dir) if args.work_dir else bench.TUNING_LOGS / chip.name / name
     mod = _fold_fuse(args.model, chip)
-    tune(mod, chip, str(work_dir), args.trials, quiet=args.quiet,
+    tuning.tune(mod, chip, str(work_dir), args.trials, quiet=args.quiet,
          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     print(f"tuning database: {work_dir}")
 

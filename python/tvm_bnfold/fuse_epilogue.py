@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 EPILOGUE_LEVELS = ("register", "cache", "separate")
 #: Attribute of a scheduled kernel: its unscheduled form (the tuning workload), as
-#: base64(zlib(tvm.ir.save_json(func))); ``tune.kernels`` unpacks it.
+#: base64(zlib(tvm.ir.save_json(func))); ``tuning.kernels`` unpacks it.
 WORKLOAD_ATTR = "bnfold.workload"
 
 
@@ -207,7 +207,7 @@ def _schedule_gpu(
 
 
 def _with_workload(scheduled: tvm.tirx.PrimFunc, workload: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
-    """``scheduled`` keeping its unscheduled form reachable for MetaSchedule (tune.py tunes
+    """``scheduled`` keeping its unscheduled form reachable for MetaSchedule (tuning.py tunes
     it), packed as a string: the script printer cannot print a PrimFunc inside attributes."""
     packed = base64.b64encode(zlib.compress(tvm.ir.save_json(workload).encode())).decode()
     return scheduled.with_attr(WORKLOAD_ATTR, packed)

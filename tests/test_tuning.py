@@ -27,7 +27,7 @@ from tvm.s_tir import meta_schedule as ms
 from _util import assert_close, function, run, tensor_var
 from tvm_bnfold import FuseEpilogue, chips
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
-from tvm_bnfold.tune import (
+from tvm_bnfold.tuning import (
     DEFAULTS_FILE,
     RECORD_FILE,
     WORKLOAD_FILE,
@@ -300,8 +300,8 @@ def test_interrupted_run_leaves_a_database_that_loads(tmp_path, sig):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_tune import conv_module, fused, SMALL, CHIP
-        from tvm_bnfold.tune import InProcessBuilder, tune
+        from test_tuning import conv_module, fused, SMALL, CHIP
+        from tvm_bnfold.tuning import InProcessBuilder, tune
         mod, _ = conv_module(seed=2)
         tune(fused(mod), CHIP, {str(tmp_path)!r}, max_trials=400, quiet=True,
              builder={builder}, **SMALL)
