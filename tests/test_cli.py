@@ -160,7 +160,7 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
 
 def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys):
     from tvm_bnfold import tuning as tune
-    monkeypatch.setattr(bench, "TUNING_LOGS", tmp_path / "logs")
+    monkeypatch.setattr(tune, "TUNING_LOGS", tmp_path / "logs")
     # A small real search (the defaults search 512 candidates x 4 generations per batch).
     monkeypatch.setattr(tune, "tune", functools.partial(
         tune.tune, population_size=16, genetic_num_iters=1, num_trials_per_iter=2))

@@ -26,7 +26,7 @@ from . import chips
 from .fold_bn import FoldBN
 from .fuse_epilogue import FuseEpilogue, FusionRecord, fuse_graph, schedule_kernels
 from .models import BUILTIN, load_onnx, random_inputs
-from .tuning import TUNING_LOGS, build
+from .tuning import RECORD_FILE, build, database_dir
 
 # Variant key -> label, in table order.
 VARIANTS = {
@@ -272,8 +272,8 @@ def variants(
 
 def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
     """``tuning_logs/<chip>/<model>/`` when it holds a MetaSchedule database, else None."""
-    path = TUNING_LOGS / chip.name / model
-    records = path / "database_tuning_record.json"
+    path = database_dir(chip, model=model)
+    records = path / RECORD_FILE
     return path if records.is_file() and records.stat().st_size > 0 else None
 
 

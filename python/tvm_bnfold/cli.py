@@ -229,7 +229,7 @@ def _tune(args) -> None:
     if args.rpc_tracker:
         rpc.parse_tracker(args.rpc_tracker)
     name = report.model_name(args.model)
-    work_dir = Path(args.work_dir) if args.work_dir else bench.TUNING_LOGS / chip.name / name
+    work_dir = tuning.database_dir(chip, args.work_dir, name)
     mod = _fold_fuse(args.model, chip)
     tuning.tune(mod, chip, str(work_dir), args.trials, quiet=args.quiet,
          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)

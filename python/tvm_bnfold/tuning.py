@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import sys
 import tempfile
@@ -791,11 +790,3 @@ def build(mod: tvm.IRModule, chip, work_dir=None, model: str | None = None):
     chip = chips.get(chip)
     scheduled, *_ = apply_database(mod, chip, work_dir, model)
     return tvm.compile(scheduled, target=chip.target)
-
-
-def copy_database(src, dst) -> None:
-    """Copy the two database files of ``src`` into ``dst`` (tests, merging runs)."""
-    Path(dst).mkdir(parents=True, exist_ok=True)
-    for name in (WORKLOAD_FILE, RECORD_FILE):
-        if (Path(src) / name).exists():
-            shutil.copy(Path(src) / name, Path(dst) / name)
