@@ -10,7 +10,7 @@ from tvm import relax
 
 from _util import assert_close, function, run, tensor_var
 from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, conv_schedule
-from tvm_bnfold.bench import kernel_count
+from tvm_bnfold.bench import kernel_count, layout_kernel_count
 from tvm_bnfold.fuse_epilogue import choose_schedule, fuse_graph
 
 R = relax.op
@@ -91,7 +91,8 @@ def test_every_activation_becomes_one_kernel(act):
 def test_residual_add_then_relu_is_one_kernel(chip, stride):
     mod, inputs = conv_act_module(ACTIVATIONS["relu"], residual=True, stride=stride)
     out, report = _fuse(mod, chip)
-    assert kernel_count(out) == 1 and report[0].chip == chip
+    # On avx2 the 8-channel conv runs in the blocked layout, between layout transforms.
+    assert kernel_count(out) - layout_kernel_count(out) == 1 and report[0].chip == chip
     assert_close(run(out, *inputs), run(mod, *inputs))
 
 
@@ -150,7 +151,7 @@ def test_folded_small_model_commits_only_spill_free_kernels():
     out, report = _fuse(mod, "avx2")
     committed = [r for r in report if r.decision in ("register", "cache")]
     assert committed and all(r.spill_moves == 0 for r in committed)
-    assert kernel_count(out) <= 56
+    assert kernel_count(out) - layout_kernel_count(out) == 55  # 52 convs, mean, flatten, fc
     inputs = list(random_inputs(mod).values())
     assert_close(run(out, *inputs), run(mod, *inputs))
 

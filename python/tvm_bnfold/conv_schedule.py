@@ -28,6 +28,8 @@ vector.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from . import chips, register_pressure
+from . import blocked_layout, chips, register_pressure
 from .errors import BNFoldError
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ EPILOGUE_MODES = ("register", "cache", "separate")
 _DATA_PAR = 0  # tirx.IterVar.DataPar
 _COMM_REDUCE = 2  # tirx.IterVar.CommReduce
 _HINT = "pragma_loop_partition_hint"
+#: Injective kernels smaller than this run on one thread (a parallel launch costs ~2 us).
+_SERIAL_ELEMENTS = 1 << 14
 #: The attribute TVM 0.27 (MetaSchedule, dlight) reads and writes on a scheduled PrimFunc.
 SCHEDULED_ATTR = "tirx.is_scheduled"
 
@@ -76,6 +80,7 @@ class Anchor:
     vec_stride: int = 1  # stride of the vector axis in the vector operands; 0: not affine
     hrow_stride: int = 1
     pointwise: bool = False
+    blocked: bool = False  # a blocked-layout conv (blocked_layout): rows = columns, hrows = blocks
 
     @property
     def flops(self) -> int:
@@ -126,6 +131,7 @@ class _Knobs:
     unroll_budget: int = 128  # unrolled reduction steps x accumulators (more: LLVM spills)
     l2_block_bytes: int = 256 * 1024  # weights of one cache block of rows
     max_candidates: int = 8
+    target_accumulators: int = 16  # blocked tiles: fewer leave FMA latency exposed
     shapes_per_size: int = 2  # candidates per accumulator count (another shape may not spill)
 
     @staticmethod
@@ -134,7 +140,8 @@ class _Knobs:
             raise BNFoldError(f"conv_schedule is a CPU schedule; chip {chip.name!r} is {chip.kind}")
         cores = int(chip.target_config.get("num-cores", 1))
         budget = register_pressure.static_budget(chip, dtype)
-        return _Knobs(lanes=chip.lanes(dtype), vector_regs=budget, cores=cores)
+        return _Knobs(lanes=chip.lanes(dtype), vector_regs=budget, cores=cores,
+                      target_accumulators=min(16, chip.vector_regs // 2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -159,7 +166,7 @@ def _analyze(func: tirx.PrimFunc) -> Anchor | str:
     try:
         sch = s_tir.Schedule(func)
         rvs = sch.get_child_blocks(sch.get_sblock("root"))
-    except (tvm.error.TVMError, ValueError) as err:
+    except (RuntimeError, ValueError) as err:
         return f"no root block ({err})"
     blocks = [sch.get(rv) for rv in rvs]
     for rv, block in zip(rvs, blocks, strict=True):
@@ -219,7 +226,7 @@ def _analyze(func: tirx.PrimFunc) -> Anchor | str:
     vec_stride, hrow_stride, pointwise = _vector_access(
         vector_ops, iters, n_spatial, hrow_axis, producers
     )
-    return Anchor(
+    found = Anchor(
         block=anchor.name_hint,
         kind=_kind(anchor, n_spatial, rows_axis, vector_ops, bcast_ops),
         spatial=extents,
@@ -237,6 +244,26 @@ def _analyze(func: tirx.PrimFunc) -> Anchor | str:
         hrow_stride=hrow_stride,
         pointwise=pointwise,
     )
+    if anchor.name_hint in (blocked_layout.CONV_BLOCK, blocked_layout.DEPTHWISE_BLOCK):
+        return _as_blocked(found, spatial_vars, vector_ops, bcast_ops)
+    return found
+
+
+def _as_blocked(found: Anchor, spatial_vars, vector_ops, bcast_ops) -> Anchor | str:
+    """The roles of a blocked conv (``out[n, o, y, x, oi]``, see blocked_layout): the vector is
+    the channel block ``oi``, the rows are the output columns ``x`` (one input broadcast each,
+    or one input vector when depthwise) and the hrows are output blocks ``o`` (one weight vector
+    each), after checking that the accesses are what that compute writes."""
+    depthwise = found.block == blocked_layout.DEPTHWISE_BLOCK
+    n, o, _, x, _ = spatial_vars if len(spatial_vars) == 5 else (None,) * 5
+    weights = [r for r in vector_ops if _reads(r.region, [o]) and not _reads(r.region, [x])]
+    inputs = [r for r in (vector_ops if depthwise else bcast_ops) if _reads(r.region, [x])]
+    if n is None or len(weights) != 1 or len(inputs) != 1 or len(vector_ops) != 1 + depthwise:
+        return f"{found.block!r} does not have the accesses of a blocked conv"
+    return dataclasses.replace(
+        found, kind="depthwise_conv2d" if depthwise else "conv2d", vec_axis=4, rows_axis=3,
+        hrow_axis=1, shared_input=not depthwise, vec_stride=1, hrow_stride=1, pointwise=False,
+        blocked=True)
 
 
 def _epilogue(func, earlier, epilogue, out, extents) -> tuple[int, int] | str:
@@ -393,6 +420,8 @@ def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
     smaller ones (fewer accumulators), for a register-pressure check to walk down."""
     chip = chips.get(chip)
     knobs = _Knobs.of(chip, anchor.dtype)
+    if anchor.blocked:
+        return _blocked_tiles(anchor, knobs)
     rows = _extent(anchor, anchor.rows_axis)
     hrows = 1 if anchor.pointwise else _extent(anchor, anchor.hrow_axis)
     top = max(1, min(knobs.max_vectors, -(-anchor.width // knobs.lanes)))
@@ -420,6 +449,12 @@ def live_vector_registers(anchor: Anchor, tile: Tile, chip) -> int:
     tile, the epilogue's operands (bias, residual) and constants (0 of relu, 0 and 6 of clip),
     and the temporaries of one reduction step (input vectors or weight broadcasts)."""
     del chip  # the tile carries the chip's lanes
+    if anchor.blocked and not anchor.shared_input:
+        # Blocked depthwise: a weight vector per block (reused across the columns), the input
+        # vector streaming through, one spare.
+        temporaries = tile.hrows + 2
+        return tile.accumulators + temporaries + anchor.epilogue_operands + \
+            anchor.epilogue_constants
     # Shared inputs: either the step's input vectors stay live while the weight broadcasts
     # stream, or the broadcasts stay live while the inputs stream (LLVM picks the cheaper one).
     # Depthwise: a broadcast per channel row (reused across its vectors), the input, one spare.
@@ -461,6 +496,43 @@ def _score(anchor: Anchor, tile: Tile, knobs: _Knobs) -> float:
         chunks *= _extent(anchor, anchor.hrow_axis) // tile.hrows
     balance = chunks / (knobs.cores * -(-chunks // knobs.cores))
     return ideal / cycles * balance
+
+
+def _blocked_tiles(anchor: Anchor, knobs: _Knobs) -> list[Tile]:
+    """Tiles of a blocked conv: ``rows`` output columns x ``hrows`` channel blocks, one vector
+    each. Best first: the highest modelled FMA efficiency, then the accumulator count nearest
+    ``knobs.target_accumulators`` (enough independent FMAs to cover the latency, measured
+    fastest here), then more blocks per broadcast; then every smaller tile in that order."""
+    cols, blocks = anchor.spatial[3], anchor.spatial[1]
+    tiles = [
+        Tile(vec=knobs.lanes, rows=r, hrows=h, lanes=knobs.lanes, block_rows=r)
+        for h in _divisors(blocks) if h <= knobs.max_hrows
+        for r in _divisors(cols)
+    ]
+    tiles = [t for t in tiles if live_vector_registers(anchor, t, None) <= knobs.vector_regs]
+    if not tiles:
+        return [Tile(vec=knobs.lanes, rows=1, hrows=1, lanes=knobs.lanes, block_rows=1)]
+
+    def key(tile: Tile):
+        return (-round(_blocked_efficiency(anchor, tile, knobs), 2),
+                abs(tile.accumulators - knobs.target_accumulators), -tile.hrows)
+
+    tiles.sort(key=key)
+    out = [t for t in tiles if t.accumulators <= tiles[0].accumulators]
+    return out[: knobs.max_candidates]
+
+
+def _blocked_efficiency(anchor: Anchor, tile: Tile, knobs: _Knobs) -> float:
+    """Modelled fraction of the FMA peak of a blocked tile: FMAs against loads (a broadcast per
+    column and a weight vector per block; depthwise: an input vector per output) and latency,
+    times the balance of the parallel chunks."""
+    acc = tile.accumulators
+    loads = tile.hrows + (acc if not anchor.shared_input else tile.rows)
+    fma = acc / knobs.fma_ports
+    efficiency = fma / max(fma, loads / knobs.load_ports, knobs.fma_latency)
+    n, blocks, height, cols, _ = anchor.spatial
+    chunks = n * blocks // tile.hrows * height * cols // tile.rows
+    return efficiency * chunks / (knobs.cores * -(-chunks // knobs.cores))
 
 
 def _outer_tiles(anchor: Anchor) -> int:
@@ -514,6 +586,10 @@ def schedule(
     knobs = _Knobs.of(chip, anchor.dtype)
     tile = _with_block_rows(anchor, tile or candidate_tiles(anchor, chip)[0], knobs)
     _check_tile(anchor, tile, knobs)
+    if anchor.blocked:
+        sch = s_tir.Schedule(func)
+        _schedule_blocked(sch, anchor, epilogue, knobs, tile)
+        return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
     sch = s_tir.Schedule(_narrow(func))
 
     # Step 1. Producers: inline plain copies, de-interleave strided inputs, parallelize the rest.
@@ -581,7 +657,7 @@ def schedule(
             sch.compute_inline(b)
         if chain and epilogue == "cache":
             sch.reverse_compute_at(chain[-1], par)
-            _vectorize_nest(sch, chain[-1], par, tile, tail)
+            _vectorize_nest(sch, chain[-1], par, tile.lanes, tail)
         elif chain:
             _parallel_vectorized(sch, chain[-1], knobs)
 
@@ -599,7 +675,7 @@ def schedule(
         sch.unroll(loop)
     init = sch.decompose_reduction(block, reduction[0])
     for b in (init, *on_tile):
-        _vectorize_nest(sch, b, tile_loop, tile, tail)
+        _vectorize_nest(sch, b, tile_loop, tile.lanes, tail)
 
     # Step 7. A tail the vector tile does not divide: let LoopPartition split it off, so the
     # full tiles carry no predicate and the tail runs as a narrower vector. Every loop around a
@@ -613,6 +689,97 @@ def schedule(
                 if sch.get(loop).kind != tirx.ForKind.PARALLEL:
                     sch.annotate(loop, _HINT, 1)
     return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+
+
+def design_spaces(sch: s_tir.Schedule, chip) -> list[s_tir.Schedule] | None:
+    """MetaSchedule design spaces of a blocked conv kernel (``ms.space_generator.ScheduleFn``):
+    our schedule with the register tile sampled (``sample_perfect_tile`` of the columns and of
+    the channel blocks, which MetaSchedule's tile-size mutator explores), one space per
+    epilogue level (on the register tile, on the stored tile). None for any other kernel."""
+    anchor = _analyze(sch.mod["main"])
+    if isinstance(anchor, str) or not anchor.blocked:
+        return None
+    knobs = _Knobs.of(chips.get(chip), anchor.dtype)
+    spaces = []
+    for level in ("register", "cache") if anchor.epilogue else ("register",):
+        space = sch.copy()
+        _schedule_blocked(space, anchor, level, knobs, None)
+        spaces.append(space)
+    return spaces
+
+
+def sampled_tile(sch: s_tir.Schedule, anchor: Anchor, chip) -> Tile | None:
+    """The register tile a schedule of :func:`design_spaces` sampled (its two tile-size
+    decisions: channel blocks, then columns); None for a schedule of another space."""
+    if not anchor.blocked:
+        return None
+    trace = sch.trace
+    sampled = [trace.decisions[i] for i in trace.insts if i.kind.name == "SamplePerfectTile"]
+    if len(sampled) != 2:
+        return None
+    lanes = chips.get(chip).lanes(anchor.dtype)
+    (_, hrows), (_, rows) = ([int(f) for f in d] for d in sampled)
+    return Tile(vec=lanes, rows=rows, hrows=hrows, lanes=lanes, block_rows=rows)
+
+
+def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs: _Knobs,
+                      tile: Tile | None) -> None:
+    """The schedule of a blocked conv: parallel over (batch, block groups, rows, column
+    groups), the whole reduction per register tile of ``hrows`` blocks x ``rows`` columns, the
+    epilogue on that tile. ``tile`` None: its two factors are sampled (a search space)."""
+    # Step 1. Producers. A depthwise conv is memory-bound: it reads the padding through a
+    # predicate instead of a padded copy (measured 2-3x faster); a dense conv keeps the copy,
+    # filled in parallel vectors (decompose_padding measured no faster, and its trace does not
+    # print in TVM 0.27, which MetaSchedule needs).
+    for name in anchor.producers:
+        if anchor.shared_input:
+            _parallel_vectorized(sch, sch.get_sblock(name), knobs)
+        else:
+            sch.compute_inline(sch.get_sblock(name))
+
+    # Step 2. Tile: block groups outermost, so each core keeps its blocks' weights in cache.
+    block = sch.get_sblock(anchor.block)
+    n, blocks, height, cols, lanes, *reduction = sch.get_loops(block)
+    if tile is None:
+        hrows = sch.sample_perfect_tile(blocks, n=2, max_innermost_factor=knobs.max_hrows)
+        rows = sch.sample_perfect_tile(cols, n=2, max_innermost_factor=knobs.vector_regs)
+    else:
+        hrows, rows = [None, tile.hrows], [None, tile.rows]
+    blocks_out, blocks_in = sch.split(blocks, hrows)
+    cols_out, cols_in = sch.split(cols, rows)
+    sch.reorder(n, blocks_out, height, cols_out, *reduction, blocks_in, cols_in, lanes)
+    par = sch.fuse(n, blocks_out, height, cols_out)
+    sch.parallel(par)
+
+    # Step 3. Accumulate in the register tile; place the epilogue chain.
+    writeback = sch.cache_write(block, 0, "local")
+    chain = [sch.get_sblock(name) for name in anchor.epilogue]
+    if epilogue == "register" and chain:
+        sch.compute_inline(writeback)
+        for b in chain[:-1]:
+            sch.compute_inline(b)
+        sch.reverse_compute_at(chain[-1], par, preserve_unit_loops=True)
+        on_tile = [chain[-1]]
+    else:
+        sch.reverse_compute_at(writeback, par, preserve_unit_loops=True)
+        on_tile = [writeback]
+        for b in chain[:-1]:
+            sch.compute_inline(b)
+        if chain and epilogue == "cache":  # after the tile is stored, still in L1
+            sch.reverse_compute_at(chain[-1], par, preserve_unit_loops=True)
+            on_tile.append(chain[-1])
+        elif chain:
+            _parallel_vectorized(sch, chain[-1], knobs)
+
+    # Step 4. Unroll the tile and the kernel columns, vectorize the channel block.
+    sch.unroll(blocks_in)
+    sch.unroll(cols_in)
+    sch.vectorize(lanes)
+    taps = reduction[-1] if not anchor.shared_input else reduction[-2]
+    sch.unroll(taps)
+    init = sch.decompose_reduction(block, reduction[0])
+    for b in (init, *on_tile):
+        _vectorize_nest(sch, b, par, knobs.lanes, 0)
 
 
 def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:
@@ -688,12 +855,57 @@ def _deinterleave(sch: s_tir.Schedule, copy, s_h: int, s_w: int, knobs: _Knobs) 
     _parallel_vectorized(sch, copy, knobs)
 
 
-def _parallel_vectorized(sch: s_tir.Schedule, block_rv, knobs: _Knobs) -> None:
-    """A root injective nest: outer loops fused and parallel, the innermost vectorized (split
-    into vectors of lanes; a tail is left to LoopPartition)."""
+def schedule_injective(func: tirx.PrimFunc, chip) -> tirx.PrimFunc | None:
+    """A kernel of injective blocks only (a layout transform, a standalone elementwise op):
+    everything inlined into the last block, its outer loops parallel, the second-innermost
+    unrolled in short steps and the innermost vectorized. None for any other kernel."""
+    if func.attrs is not None and SCHEDULED_ATTR in func.attrs:
+        return None
+    sch = s_tir.Schedule(_narrow(func))
+    try:
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    except (RuntimeError, ValueError):
+        return None
+    if not blocks or any(iv.iter_type != _DATA_PAR for b in blocks for iv in sch.get(b).iter_vars):
+        return None
+    try:
+        for block_rv in blocks[:-1]:
+            sch.compute_inline(block_rv)
+    except s_tir.schedule.ScheduleError:
+        return None
+    knobs = _Knobs.of(chips.get(chip), str(sch.get(blocks[-1]).writes[0].source.dtype))
+    # A layout transform iterates its input's index space. Iterate the blocked side (the
+    # buffer whose innermost axis is a channel block of at most one vector): its vectors are
+    # contiguous, the other side gathers or scatters (measured 2-4x faster than the reverse).
+    last = sch.get(blocks[-1])
+    own = [iv.var for iv in last.iter_vars]
+    out = last.writes[0].source
+    short = len(out.shape) > 0 and int(out.shape[-1]) <= knobs.lanes
+    if short and not _is_identity(last.writes[0].region, own):
+        indices = [rg.min for rg in last.writes[0].region]
+        with contextlib.suppress(s_tir.schedule.ScheduleError):
+            sch.transform_block_layout(blocks[-1], tirx.IndexMap(own, indices, None))
+    loops = sch.get_loops(blocks[-1])
+    if len(loops) > 2 and int(sch.get(loops[-2]).extent) > 1:
+        step = max(d for d in _divisors(int(sch.get(loops[-2]).extent)) if d <= 16)
+        _, inner = sch.split(loops[-2], [None, step])
+        sch.unroll(inner)
+    small = math.prod(int(d) for d in out.shape) < _SERIAL_ELEMENTS  # not worth a thread
+    _parallel_vectorized(sch, blocks[-1], knobs, outer=0 if small else len(loops) - 2)
+    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+
+
+def _parallel_vectorized(sch: s_tir.Schedule, block_rv, knobs: _Knobs,
+                         outer: int | None = None) -> None:
+    """A root injective nest: outer loops fused and parallel (the first ``outer`` of them, else
+    all but the innermost), the innermost vectorized (split into vectors of lanes; a tail is
+    left to LoopPartition)."""
     loops = sch.get_loops(block_rv)
-    if len(loops) > 1:
-        sch.parallel(sch.fuse(*loops[:-1]))
+    outer = len(loops) - 1 if outer is None else outer
+    if outer > 1:
+        sch.parallel(sch.fuse(*loops[:outer]))
+    elif outer == 1:
+        sch.parallel(loops[0])
     last = loops[-1]
     extent = int(sch.get(last).extent)
     if extent == 1:
@@ -751,7 +963,7 @@ def _index_dtype(buf) -> str:
     return str(buf.shape[0].ty) if len(buf.shape) else "int64"
 
 
-def _vectorize_nest(sch: s_tir.Schedule, block_rv, above, tile: Tile, tail: int) -> None:
+def _vectorize_nest(sch: s_tir.Schedule, block_rv, above, lanes: int, tail: int) -> None:
     """Below loop ``above``: split the innermost loop of ``block_rv`` into vectors of lanes,
     vectorize the lanes and unroll the rest of the nest."""
     loops = sch.get_loops(block_rv)
@@ -764,7 +976,7 @@ def _vectorize_nest(sch: s_tir.Schedule, block_rv, above, tile: Tile, tail: int)
     extent = int(sch.get(last).extent)
     if sch.get(last).kind != tirx.ForKind.SERIAL or extent == 1:
         return
-    lanes = tile.lanes if extent % tile.lanes == 0 or tail else math.gcd(extent, tile.lanes)
+    lanes = lanes if extent % lanes == 0 or tail else math.gcd(extent, lanes)
     *vectors, lane = sch.split(last, [None, lanes]) if extent > lanes else [last]
     unrolled = nest[:-1] + vectors
     for loop in unrolled:

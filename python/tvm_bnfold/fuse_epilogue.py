@@ -34,7 +34,7 @@ from tvm import relax
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
-from . import chips, conv_schedule, register_pressure
+from . import blocked_layout, chips, conv_schedule, register_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -78,17 +78,20 @@ class FuseEpilogue:
 
     ``target``: chip name, Chip or tvm Target; None takes the target of the context.
     ``measure``: compile each candidate and count spills (False: the static check only).
+    ``blocked``: on CPU chips, put the conv2ds in the blocked channel layout first
+    (:mod:`blocked_layout`; False keeps NCHW).
     """
 
-    def __init__(self, target=None, measure: bool = True) -> None:
-        self.target, self.measure = target, measure
+    def __init__(self, target=None, measure: bool = True, blocked: bool = True) -> None:
+        self.target, self.measure, self.blocked = target, measure, blocked
         self.report: list[FusionRecord] = []
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         chip = chips.get(self.target)
+        block = chip.lanes("float32") if self.blocked and chip.kind == "cpu" else None
         with chip.target:
-            # Phase 1. Graph level: legalize and group each anchor with its epilogue.
-            mod = fuse_graph(mod)
+            # Phase 1. Graph level: blocked layout, legalize, group each anchor with its epilogue.
+            mod = fuse_graph(mod, block)
             # Phases 2 and 3. Tuned or default schedules, after the register-pressure check.
             mod, self.report = schedule_kernels(mod, chip, self.measure)
         for record in self.report:
@@ -120,7 +123,10 @@ def schedule_kernels(
                 updates[gvar] = _with_workload(func, before)
             continue
         anchor = conv_schedule.analyze(func)
-        if anchor is None:
+        if anchor is None:  # a layout transform or a standalone elementwise op
+            injective = conv_schedule.schedule_injective(func, chip)
+            if injective is not None:
+                updates[gvar] = injective
             continue
         scheduled, record = choose_schedule(func, anchor, chip, measure)
         updates[gvar] = _with_workload(scheduled, func)
@@ -132,8 +138,11 @@ def schedule_kernels(
     return mod, records
 
 
-def fuse_graph(mod: tvm.IRModule) -> tvm.IRModule:
-    """Relax-level fusion: each conv/matmul joins the elementwise ops that only it feeds."""
+def fuse_graph(mod: tvm.IRModule, block: int | None = None) -> tvm.IRModule:
+    """Relax-level fusion: each conv/matmul joins the elementwise ops that only it feeds
+    (``block``: the conv2ds first go to the ``NCHW{block}c`` layout)."""
+    if block is not None:
+        mod = blocked_layout.to_blocked(mod, block)
     return tvm.transform.Sequential([
         relax.transform.LegalizeOps(),
         relax.transform.AnnotateTIROpPattern(),

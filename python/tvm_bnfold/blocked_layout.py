@@ -1,0 +1,467 @@
+"""Blocked channel layout for CPU convs: activations in ``NCHW{b}c``, weights packed once.
+
+With the vector along the output width (plain NCHW), a 14- or 7-wide feature map wastes most of
+a 16-lane register. In ``NCHW{b}c`` (``b`` = the chip's fp32 lanes) the innermost axis is a
+block of ``b`` channels: a conv's register tile is a few output columns x one or more channel
+blocks, each accumulator one full vector, whatever the map size (ONNX Runtime's NCHWc road)::
+
+    out[n, o, y, x, oi] += data[n, c, y*s + ry, x*s + rx, ci] * W[o, c, ry, rx, ci, oi]
+    #   one vector        broadcast scalar                      one vector (OIHW{b}i{b}o)
+
+Before (after FoldBN)::
+
+    lv = R.nn.conv2d(x, W)                       # NCHW / OIHW
+    y = R.nn.relu(R.add(lv, b))
+
+After::
+
+    x1 = R.layout_transform(x, NCHW -> NCHW16c)   # once where the blocked region starts
+    lv = R.call_tir(conv2d_NCHWc, (x1, W'))       # W' packed OIHW16i16o: a constant
+    y = R.nn.relu(R.add(lv, b'))                  # b' a (1, C/16, 1, 1, 16) constant
+
+Step 1 raises the importer's clip kernels back to Relax ops (TVM's ONNX frontend writes Clip as
+``call_tir`` of topi maximum / minimum, which ConvertLayout cannot see through). Step 2 pads
+channel counts that the block does not divide (MobileNetV2's 24) with zero channels: the
+producing convs get zero output filters, the consuming convs zero weights for those channels,
+so the padded channels never reach a real output (exact for finite activations). Step 3 is
+TVM's ConvertLayout: every conv2d whose channels split into blocks, and the elementwise ops
+between them, move to the blocked layout; layout transforms remain only where the region starts
+or ends (a 3-channel stem, pooling, flatten). Step 3 legalizes the blocked convs with our
+compute (groups = 1 and depthwise); any other blocked conv gets its layout transformed back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tvm
+import tvm_ffi
+from tvm import relax, te, topi
+
+from .errors import BNFoldError
+
+logger = logging.getLogger(__name__)
+
+#: Block names of the blocked conv computes (conv_schedule recognizes them).
+CONV_BLOCK = "conv2d_NCHWc"
+DEPTHWISE_BLOCK = "depthwise_conv2d_NCHWc"
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+def to_blocked(mod: tvm.IRModule, block: int) -> tvm.IRModule:
+    """``mod`` with its conv2ds in ``NCHW{block}c`` and legalized (every op a ``call_tir``)."""
+    if block < 2:
+        raise BNFoldError(f"to_blocked: the channel block must be >= 2, got {block}")
+    return tvm.transform.Sequential([
+        # Step 1. The importer's clip kernels back to relax.maximum / relax.minimum.
+        _RaiseClip(),
+        relax.transform.FoldConstant(),
+        # Step 2. Channel counts the block does not divide: zero channels up to a multiple.
+        _PadChannels(block),
+        # Step 3. Blocked layout for conv2d and what lies between convs; fold the packed weights.
+        relax.transform.ConvertLayout({"relax.nn.conv2d": [f"NCHW{block}c", f"OIHW{block}o"]}),
+        relax.transform.Normalize(),
+        relax.transform.EliminateCommonSubexpr(),
+        relax.transform.FoldConstant(),
+        # Step 4. Legalize, blocked convs with our compute; pack the weights once.
+        relax.transform.LegalizeOps({"relax.nn.conv2d": _legalize_conv2d}),
+        relax.transform.FoldConstant(),
+        relax.transform.DeadCodeElimination(),
+    ])(mod)
+
+
+# --------------------------------------------------------------------------------------------
+# Step 1: clip kernels -> Relax ops
+# --------------------------------------------------------------------------------------------
+
+_CLIP_OPS = ((topi.maximum, relax.op.maximum), (topi.minimum, relax.op.minimum))
+
+
+@tvm.transform.module_pass(opt_level=0, name="RaiseClip")
+class _RaiseClip:
+    """``call_tir(f, (x, s))`` -> ``relax.maximum(x, s)`` (or minimum) where ``f`` is exactly
+    topi's maximum / minimum of ``x`` and a 0-d ``s`` (what the ONNX importer emits for Clip)."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                out.update_func(gvar, _ClipRaiser(mod).visit_expr(func))
+        return relax.transform.DeadCodeElimination()(out)
+
+
+@relax.expr_functor.mutator
+class _ClipRaiser(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod = mod
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != _CALL_TIR or len(call.args[1].fields) != 2:
+            return call
+        callee = self.mod[call.args[0]]
+        x, s = call.args[1].fields
+        for te_op, relax_op in _CLIP_OPS:
+            if _is_topi(callee, te_op, x, s):
+                return relax_op(x, s)
+        return call
+
+
+def _is_topi(func, te_op, x: relax.Expr, s: relax.Expr) -> bool:
+    """``func`` is structurally topi's ``te_op(x, s)`` for a 0-d ``s`` of ``x``'s dtype."""
+    tx, ts = x.ty, s.ty
+    if not (isinstance(func, tvm.tirx.PrimFunc) and len(func.params) == 3
+            and isinstance(tx, relax.TensorType) and isinstance(ts, relax.TensorType)):
+        return False
+    if tx.shape is None or ts.ndim != 0 or tx.dtype != ts.dtype:
+        return False
+    a = te.placeholder(list(tx.shape.values), str(tx.dtype), "x")
+    b = te.placeholder((), str(ts.dtype), "s")
+    ref = te.create_prim_func([a, b, te_op(a, b)]).without_attr("global_symbol")
+    return tvm_ffi.structural_equal(ref, func, map_free_vars=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Step 2: channel padding
+# --------------------------------------------------------------------------------------------
+
+#: Elementwise ops that map finite values to finite values channel by channel: a padded channel
+#: stays finite, and the zero weights of every consuming conv cancel it exactly.
+_UNARY = {"relax.nn.relu", "relax.clip", "relax.sigmoid", "relax.tanh", "relax.nn.silu",
+          "relax.nn.gelu", "relax.nn.leakyrelu"}
+_BINARY = {"relax.add", "relax.subtract", "relax.multiply", "relax.maximum", "relax.minimum"}
+_CONV2D = "relax.nn.conv2d"
+
+
+@tvm.transform.module_pass(opt_level=0, name="PadChannels")
+class _PadChannels:
+    """Pad the channels of every NCHW tensor region whose channel count ``block`` does not
+    divide: the tensors produced by plain convs (groups 1) and the elementwise ops and
+    depthwise convs between them, as long as every tensor of the region is consumed only by
+    such ops or by convs; any other use reads a slice of the real channels."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                regions = _channel_regions(func, self.block)
+                if regions:
+                    if out is mod:
+                        out = mod.clone()
+                    out.update_func(gvar, _Padder(regions, self.block).visit_expr(func))
+        return out
+
+
+def _channel_regions(func: relax.Function, block: int) -> dict:
+    """Region member var -> its real channel count, for the regions that can be padded."""
+    bindings = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+    users: dict = {}
+    for var, value in bindings.items():
+        for arg in _args(value):
+            users.setdefault(arg, []).append(var)
+    members: dict = {}
+    for var, value in bindings.items():
+        if var in members or not _is_producer(value, block):
+            continue
+        region, ok = _grow(var, bindings, users, block)
+        # Worth it only where a conv reads the padded channels (else every use is a slice).
+        if ok and any(_is_conv2d(bindings[u]) and bindings[u].attrs.groups == 1
+                      for v in region for u in users.get(v, [])):
+            members.update(region)
+    return members
+
+
+def _grow(start, bindings, users, block) -> tuple[dict, bool]:
+    """The region around ``start`` (a producer conv's output), and whether it can be padded:
+    each member is a producer conv, a depthwise conv or an allowed elementwise op whose tensor
+    operands are members too; uses outside read a slice."""
+    channels = _channels(start)
+    region, todo = {}, [start]
+    while todo:
+        var = todo.pop()
+        if var in region:
+            continue
+        value = bindings.get(var)
+        if _channels(var) != channels or value is None:
+            return region, False
+        if not (_is_producer(value, block) or _joins(value, channels)):
+            return region, False
+        region[var] = channels
+        if not _is_producer(value, block):  # its tensor operands are padded too
+            todo.extend(a for a in _args(value)
+                        if isinstance(a, relax.Var) and _channels(a) == channels)
+        # Users: channel-by-channel ops join; plain convs read the padded tensor with zero
+        # weights (and start their own region if they are producers); others read a slice.
+        todo.extend(u for u in users.get(var, []) if _joins(bindings[u], channels))
+    return region, True
+
+
+def _is_producer(value, block: int) -> bool:
+    """A plain conv2d (NCHW / OIHW, groups 1, constant weight) whose output channels ``block``
+    does not divide."""
+    return (_is_conv2d(value) and value.attrs.groups == 1 and _constant(value.args[1])
+            and _channels(value) % block != 0)
+
+
+def _joins(value, channels: int) -> bool:
+    """Channel by channel on tensors of ``channels`` channels: an allowed unary op, a binary
+    op with a scalar or per-channel constant or another tensor, or a depthwise conv."""
+    if not isinstance(value, relax.Call) or _channels(value) != channels:
+        return False
+    name = value.op.name if isinstance(value.op, tvm.ir.Op) else ""
+    if name in _UNARY:
+        return True
+    if name in _BINARY:
+        return all(_channels(a) == channels or _per_channel(a, channels) for a in value.args)
+    return (_is_conv2d(value) and value.attrs.groups == channels and _constant(value.args[1])
+            and int(value.args[1].ty.shape.values[1]) == 1)
+
+
+def _is_conv2d(value) -> bool:
+    if not (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get(_CONV2D)):
+        return False
+    attrs = value.attrs
+    return (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) == (
+        "NCHW", "OIHW", "NCHW") and _channels(value.args[0]) is not None
+
+
+def _channels(expr) -> int | None:
+    """Channel count (axis 1) of a static 4-D tensor, else None."""
+    ty = expr.ty if hasattr(expr, "ty") else None
+    if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 4:
+        return None
+    dims = ty.shape.values
+    return int(dims[1]) if all(isinstance(d, tvm.tirx.IntImm) for d in dims) else None
+
+
+def _constant(expr) -> bool:
+    return isinstance(expr, tvm.ir.expr.GenericConst)
+
+
+def _per_channel(expr, channels: int) -> bool:
+    """A constant scalar, or a constant of shape (1, C, 1, 1) / (C, 1, 1) / all-ones."""
+    if not _constant(expr):
+        return False
+    shape = [int(d) for d in expr.value.shape]
+    return shape in ([1, channels, 1, 1], [channels, 1, 1]) or all(d == 1 for d in shape)
+
+
+def _args(value) -> list:
+    return list(value.args) if isinstance(value, relax.Call) else (
+        [value] if isinstance(value, relax.Var) else [])
+
+
+@relax.expr_functor.mutator
+class _Padder(relax.PyExprMutator):
+    """Rebuild the region bindings on padded tensors; other users read the real channels."""
+
+    def __init__(self, regions: dict, block: int) -> None:
+        super().__init__()
+        self.regions, self.block = regions, block
+        self.padded: dict = {}  # member var -> its padded var
+        self.sliced: dict = {}  # member var -> its slice to the real channels
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        var, value = binding.var, binding.value
+        if var in self.regions:
+            new = self.builder_.emit(self._padded_call(value, self.regions[var]))
+            self.padded[var] = new
+            return
+        if isinstance(value, relax.Call) and _is_conv2d(value) and value.args[0] in self.padded:
+            value = self._consumer(value)
+        elif any(a in self.padded for a in _args(value)):
+            value = self._with_slices(value)
+        else:
+            super().visit_var_binding_(binding)
+            return
+        self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(value)))
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        return self._slice(var) if var in self.padded else super().visit_var_(var)
+
+    def visit_dataflow_var_(self, var: relax.DataflowVar) -> relax.Expr:
+        return self._slice(var) if var in self.padded else super().visit_dataflow_var_(var)
+
+    def _target(self, channels: int) -> int:
+        return -(-channels // self.block) * self.block
+
+    def _padded_call(self, value: relax.Call, channels: int) -> relax.Expr:
+        extra = self._target(channels) - channels
+        if _is_conv2d(value) and value.attrs.groups == 1:  # producer (maybe a consumer too)
+            data = value.args[0]
+            weight = value.args[1].value.numpy()
+            if data in self.padded:
+                weight = _pad_axis(weight, 1, self._target(_channels(data)) - weight.shape[1])
+            args = [self.padded.get(data, data), _const(_pad_axis(weight, 0, extra))]
+            return relax.Call(value.op, args, value.attrs, value.ty_args)
+        if _is_conv2d(value):  # depthwise: one zero filter per padded channel
+            attrs = value.attrs
+            weight = _pad_axis(value.args[1].value.numpy(), 0, extra)
+            return relax.op.nn.conv2d(
+                self.padded[value.args[0]], _const(weight), attrs.strides, attrs.padding,
+                attrs.dilation, self._target(channels), "NCHW", "OIHW", "NCHW",
+                _out_dtype(attrs))
+        args = []
+        for arg in value.args:
+            if arg in self.padded:
+                args.append(self.padded[arg])
+            elif _constant(arg) and len(arg.value.shape) >= 3 and int(arg.value.shape[-3]) > 1:
+                args.append(_const(_pad_axis(arg.value.numpy(), arg.value.ndim - 3, extra)))
+            else:
+                args.append(arg)
+        return relax.Call(value.op, args, value.attrs, value.ty_args)
+
+    def _consumer(self, value: relax.Call) -> relax.Call:
+        """A conv reading a padded tensor: zero weights for the padded input channels."""
+        data = value.args[0]
+        weight = value.args[1].value.numpy()
+        weight = _pad_axis(weight, 1, self._target(_channels(data)) - weight.shape[1])
+        return relax.Call(value.op, [self.padded[data], _const(weight)], value.attrs,
+                          value.ty_args)
+
+    def _with_slices(self, value):
+        if isinstance(value, relax.Var):
+            return self._slice(value)
+        return relax.Call(value.op, [self.visit_expr(a) for a in value.args], value.attrs,
+                          value.ty_args)
+
+    def _slice(self, var: relax.Var) -> relax.Expr:
+        if var not in self.sliced:
+            self.sliced[var] = self.builder_.emit(relax.op.strided_slice(
+                self.padded[var], axes=[1], begin=[0], end=[self.regions[var]]))
+        return self.sliced[var]
+
+
+def _pad_axis(array, axis: int, extra: int):
+    import numpy as np
+
+    if extra <= 0:
+        return array
+    width = [(0, 0)] * array.ndim
+    width[axis] = (0, extra)
+    return np.pad(array, width)
+
+
+def _const(array) -> relax.Expr:
+    return relax.const(array, str(array.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Step 4: legalization of blocked conv2d
+# --------------------------------------------------------------------------------------------
+
+
+def _legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """A blocked conv2d -> our compute (groups 1 or depthwise), else the default legalization
+    (plain layouts) or a plain conv between layout transforms (other blocked convs)."""
+    from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
+
+    attrs = call.attrs
+    block = _block_of(attrs)
+    if block is None:
+        return _nn_conv2d(bb, call)
+    data, weight = call.args
+    channels = int(data.ty.shape.values[1]) * block
+    out_channels = int(weight.ty.shape.values[0]) * block
+    out_dtype = _out_dtype(attrs) or str(data.ty.dtype)
+    args = dict(strides=[int(s) for s in attrs.strides],
+                padding=[int(p) for p in attrs.padding],
+                dilation=[int(d) for d in attrs.dilation], out_dtype=out_dtype)
+    if attrs.groups == 1:
+        packed = bb.emit(relax.op.layout_transform(
+            weight, lambda o, i, y, x, oi: (o, i // block, y, x, i % block, oi)))
+        return bb.call_te(conv2d_nchwc, data, packed, **args, primfunc_name_hint=CONV_BLOCK)
+    if attrs.groups == channels == out_channels and int(weight.ty.shape.values[1]) == 1:
+        return bb.call_te(depthwise_conv2d_nchwc, data, weight, **args,
+                          primfunc_name_hint=DEPTHWISE_BLOCK)
+    logger.info("grouped conv2d (groups=%d) stays in NCHW between layout transforms", attrs.groups)
+    return _plain_conv2d(bb, call, block)
+
+
+def _block_of(attrs) -> int | None:
+    """``b`` of a conv2d in ``NCHW{b}c`` / ``OIHW{b}o`` (None for any other layout)."""
+    layout, kernel = str(attrs.data_layout), str(attrs.kernel_layout)
+    if not (layout.startswith("NCHW") and layout.endswith("c") and layout[4:-1].isdigit()):
+        return None
+    block = int(layout[4:-1])
+    if kernel != f"OIHW{block}o" or str(attrs.out_layout) != layout:
+        return None
+    return block
+
+
+def _out_dtype(attrs) -> str | None:
+    dtype = attrs.out_dtype
+    return None if dtype is None or str(dtype) in ("", "void") else str(dtype)
+
+
+def _plain_conv2d(bb: relax.BlockBuilder, call: relax.Call, block: int) -> relax.Expr:
+    """The conv in NCHW / OIHW between layout transforms (legal for any groups)."""
+    from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
+
+    data, weight = call.args
+    nchw = bb.emit(relax.op.layout_transform(
+        data, lambda n, c, y, x, ci: (n, c * block + ci, y, x)))
+    oihw = bb.emit(relax.op.layout_transform(
+        weight, lambda o, i, y, x, oi: (o * block + oi, i, y, x)))
+    attrs = call.attrs
+    plain = relax.op.nn.conv2d(nchw, oihw, attrs.strides, attrs.padding, attrs.dilation,
+                               attrs.groups, "NCHW", "OIHW", "NCHW",
+                               _out_dtype(attrs))
+    out = _nn_conv2d(bb, bb.normalize(plain))
+    out = bb.emit(out)
+    return relax.op.layout_transform(out, lambda n, c, y, x: (n, c // block, y, x, c % block))
+
+
+def _padded(data: te.Tensor, padding) -> te.Tensor:
+    top, left, bottom, right = padding
+    if not any(padding):
+        return data
+    return topi.nn.pad(data, [0, 0, top, left, 0], [0, 0, bottom, right, 0], name="pad_temp")
+
+
+def _out_size(size: int, kernel: int, stride: int, dilation: int, pad: int) -> int:
+    return (size + pad - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
+                 out_dtype: str) -> te.Tensor:
+    """``data`` (N, C/b, H, W, b) x ``weight`` (O/b, C/b, KH, KW, b, b) -> (N, O/b, OH, OW, b)."""
+    n, _, h, w, _ = (int(d) for d in data.shape)
+    blocks_out, blocks_in, kh, kw, block_in, block_out = (int(d) for d in weight.shape)
+    (sh, sw), (dh, dw) = strides, dilation
+    oh = _out_size(h, kh, sh, dh, padding[0] + padding[2])
+    ow = _out_size(w, kw, sw, dw, padding[1] + padding[3])
+    pad = _padded(data, padding)
+    rco = te.reduce_axis((0, blocks_in), "rco")
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+    rci = te.reduce_axis((0, block_in), "rci")
+    return te.compute(
+        (n, blocks_out, oh, ow, block_out),
+        lambda b, o, y, x, oi: te.sum(
+            pad[b, rco, y * sh + ry * dh, x * sw + rx * dw, rci].astype(out_dtype)
+            * weight[o, rco, ry, rx, rci, oi].astype(out_dtype),
+            axis=[rco, ry, rx, rci]),
+        name=CONV_BLOCK)
+
+
+def depthwise_conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
+                           out_dtype: str) -> te.Tensor:
+    """``data`` (N, C/b, H, W, b) x ``weight`` (C/b, 1, KH, KW, b) -> (N, C/b, OH, OW, b)."""
+    n, blocks, h, w, block = (int(d) for d in data.shape)
+    _, _, kh, kw, _ = (int(d) for d in weight.shape)
+    (sh, sw), (dh, dw) = strides, dilation
+    oh = _out_size(h, kh, sh, dh, padding[0] + padding[2])
+    ow = _out_size(w, kw, sw, dw, padding[1] + padding[3])
+    pad = _padded(data, padding)
+    ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
+    return te.compute(
+        (n, blocks, oh, ow, block),
+        lambda b, c, y, x, ci: te.sum(
+            pad[b, c, y * sh + ry * dh, x * sw + rx * dw, ci].astype(out_dtype)
+            * weight[c, 0, ry, rx, ci].astype(out_dtype),
+            axis=[ry, rx]),
+        name=DEPTHWISE_BLOCK)
