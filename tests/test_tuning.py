@@ -25,7 +25,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from _util import assert_close, function, run, tensor_var
-from tvm_bnfold import FuseEpilogue, chips
+from tvm_bnfold import FuseEpilogue, chips, conv_schedule
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
 from tvm_bnfold.tuning import (
     DEFAULTS_FILE,
@@ -44,6 +44,7 @@ from tvm_bnfold.tuning import (
     tune,
     work_dir_lock,
     workload_key,
+    workload_module,
 )
 
 R = relax.op
@@ -111,7 +112,7 @@ def test_scheduled_kernel_keeps_its_workload_and_still_compiles(tmp_path):
     mod, x = conv_module()
     fmod = fused(mod)
     ((gvar, workload),) = kernels(fmod).items()
-    unscheduled = fuse_graph(mod)[gvar.name_hint]
+    unscheduled = fuse_graph(mod, CHIP.lanes())[gvar.name_hint]
     tvm.ir.assert_structural_equal(workload, unscheduled)
     assert "bnfold.workload" in fmod.script()  # the module still prints
     again = FuseEpilogue(CHIP, measure=False)
@@ -138,7 +139,9 @@ def test_tuned_build_matches_unfused_module(tuned, tmp_path):
         scheduled, names, slower, missing = apply_database(fmod, CHIP, tmp_path / "db")
     assert names == [kernel.name_hint] and not slower and not missing
     ours = fmod[kernel].without_attr(WORKLOAD_ATTR)
-    assert not tvm_ffi.structural_equal(scheduled[kernel.name_hint], ours)
+    with CHIP.target, load_database(work_dir):  # the database's best record, as stock TVM does
+        best = relax.transform.MetaScheduleApplyDatabase()(workload_module(fmod))
+    tvm.ir.assert_structural_equal(scheduled[kernel.name_hint], best[kernel.name_hint])
     assert_close(vm_run(tvm.compile(scheduled, target=CHIP.target), x), run(mod, x))
     assert_close(vm_run(build(fmod, CHIP, work_dir=work_dir), x), run(mod, x))
     # A default schedule measured faster than every record is kept.
@@ -161,7 +164,7 @@ def test_database_in_context_takes_precedence_in_fuse_epilogue(tuned):
     (record,) = fuse.report
     assert record.decision == "database" and record.ops[0].startswith("conv2d")
     with CHIP.target, load_database(work_dir):
-        stock = relax.transform.MetaScheduleApplyDatabase()(fuse_graph(mod))
+        stock = relax.transform.MetaScheduleApplyDatabase()(fuse_graph(mod, CHIP.lanes()))
     ((kernel, workload),) = kernels(out).items()
     tuned_func = out[kernel].without_attr(WORKLOAD_ATTR)
     tvm.ir.assert_structural_equal(tuned_func, stock[kernel.name_hint])
@@ -176,7 +179,7 @@ def test_database_is_standard_for_stock_apply_database(tuned):
         index, record = json.loads(line)
         assert index == 0 and len(record) == 4  # [trace, run_secs, target, args_info]
     with CHIP.target:
-        graph = fuse_graph(mod)  # the unscheduled, graph-fused module
+        graph = fuse_graph(mod, CHIP.lanes())  # the unscheduled, graph-fused module
         applied = relax.transform.MetaScheduleApplyDatabase(str(work_dir))(graph)
     tuned_funcs = [f for f in applied.functions.values()
                    if isinstance(f, tvm.tirx.PrimFunc) and f.attrs.get("tirx.is_scheduled")]
@@ -195,9 +198,11 @@ def test_build_warns_once_naming_the_kernels_without_records(tuned):
 
 
 def test_register_budget_discards_a_huge_register_tile():
+    """MetaSchedule's default space (an NCHW conv): the tile nested inside the reduction."""
     mod, _ = conv_module()
     with CHIP.target:
-        workload = next(iter(kernels(fused(mod)).values()))
+        workload = next(iter(kernels(FuseEpilogue(CHIP, measure=False, blocked=False)(mod))
+                             .values()))
     ctx = ms.TuneContext(mod=workload, target=CHIP.target, task_name="conv")
     check = RegisterBudget(CHIP)
     check._initialize_with_tune_context(ctx)
@@ -215,6 +220,36 @@ def test_register_budget_discards_a_huge_register_tile():
     assert register_tile(small, "conv2d_nchw", CHIP.lanes()) == 2
     assert not check.apply(huge)
     assert check.apply(small)
+    assert check.counter.counts == {"conv": 1}
+
+
+def test_register_budget_uses_the_static_estimate_in_the_blocked_space():
+    """Our space for a blocked conv: a sampled tile whose live registers exceed the budget is
+    discarded, one that fits is kept, and the tile read back is the one the trace sampled."""
+    mod, _ = conv_module(cin=16, cout=32, hw=16)
+    with CHIP.target:
+        workload = next(iter(kernels(fused(mod)).values()))
+    ctx = ms.TuneContext(mod=workload, target=CHIP.target, task_name="conv")
+    check = RegisterBudget(CHIP)
+    check._initialize_with_tune_context(ctx)
+    anchor = conv_schedule.analyze(ctx.mod["main"])
+    assert anchor.blocked
+
+    def sampled(blocks, cols):
+        (space, _) = conv_schedule.design_spaces(s_tir.Schedule(ctx.mod), CHIP)
+        trace = space.trace
+        insts = [i for i in trace.insts if i.kind.name == "SamplePerfectTile"]
+        decided = trace.with_decision(insts[0], [4 // blocks, blocks], True)
+        decided = decided.with_decision(insts[1], [16 // cols, cols], True)
+        sch = s_tir.Schedule(ctx.mod)
+        decided.apply_to_schedule(sch, remove_postproc=False)
+        return sch
+
+    big, fits = sampled(4, 16), sampled(2, 4)
+    assert conv_schedule.sampled_tile(big, anchor, CHIP).accumulators == 64
+    assert conv_schedule.sampled_tile(fits, anchor, CHIP).accumulators == 8
+    assert not check.apply(big)
+    assert check.apply(fits)
     assert check.counter.counts == {"conv": 1}
 
 

@@ -74,6 +74,19 @@ def kernel_count(mod: tvm.IRModule) -> int:
     return op_counts(relax.transform.LegalizeOps()(mod))["call_tir"]
 
 
+def layout_kernel_count(mod: tvm.IRModule) -> int:
+    """Of those, the layout transforms (kernels legalized from ``relax.layout_transform``,
+    which TVM names ``te_layout_transform*``): where the blocked layout starts or ends."""
+    calls: Counter = Counter()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op == _CALL_TIR:
+            calls[expr.args[0].name_hint] += 1
+
+    relax.analysis.post_order_visit(relax.transform.LegalizeOps()(mod)["main"], visit)
+    return sum(n for name, n in calls.items() if name.startswith("te_layout_transform"))
+
+
 def intermediate_bytes(mod: tvm.IRModule) -> int:
     """Bytes of tensors written by one kernel and read by others: write + each read.
 
@@ -326,7 +339,7 @@ def compare(
     rows, ref = [], None
     for variant, v in found.items():
         row = dict(model=name, chip=chip.name, variant=variant, kernels=kernel_count(v.mod),
-                   batch_norms=v.batch_norms,
+                   layout_kernels=layout_kernel_count(v.mod), batch_norms=v.batch_norms,
                    intermediate_mb=intermediate_bytes(relax.transform.LegalizeOps()(v.mod)) / 1e6,
                    parameter_mb=parameter_bytes(v.mod) / 1e6, **_schedule_columns(v.records))
         if runs:
@@ -394,6 +407,7 @@ COLUMNS = [
     ("speedup_vs_unfused", "vs unfused", "{:.2f}x"),
     ("speedup_vs_stock", "vs stock", "{:.2f}x"),
     ("kernels", "kernels", "{}"),
+    ("layout_kernels", "of which layout", "{}"),
     ("batch_norms", "BNs left", "{}"),
     ("intermediate_mb", "interm. MB", _num),
     ("parameter_mb", "param MB", _num),

@@ -281,7 +281,8 @@ def _demo(args) -> None:
     rows = {r["variant"]: r for r in results[0].rows}
     # The headline is the faster of the default and the tuned build (both are in the table).
     ours = min((rows[v] for v in ("ours", "tuned") if v in rows), key=lambda r: r["median_ms"])
-    print(f"kernels: {rows['unfused']['kernels']} -> {ours['kernels']}; intermediate MB: "
+    print(f"kernels: {rows['unfused']['kernels']} -> {ours['kernels']} (of which "
+          f"{ours['layout_kernels']} layout transforms); intermediate MB: "
           f"{rows['unfused']['intermediate_mb']:.3g} -> {ours['intermediate_mb']:.3g}")
     print(f"latency (median of {args.repeat}): unfused {rows['unfused']['median_ms']:.3g} ms, "
           f"ours ({bench.VARIANTS[ours['variant']]}) {ours['median_ms']:.3g} ms: "

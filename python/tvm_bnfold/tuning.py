@@ -7,10 +7,11 @@
 Tasks are the conv/matmul kernels of the module with their fused epilogues, in their unscheduled
 form (FuseEpilogue keeps it as the ``bnfold.workload`` attribute of each scheduled kernel; a
 graph-fused, unscheduled module works too). The search is MetaSchedule's evolutionary search with
-the XGBoost cost model over the default CPU design space, whose MultiLevelTiling
-(``SSRSRS``) may fuse the epilogue into the write of the tile at tile level 1 or 2 (outer tile or
-the innermost spatial tile around the reduction) or leave it as its own loop nest: the epilogue
-placement is part of the search. :class:`RegisterBudget` is the register-pressure check as a
+the XGBoost cost model. A blocked conv (see blocked_layout) is searched in our own space: the
+default schedule with its register tile (columns x channel blocks) sampled, one design space per
+epilogue placement (on the register tile, or on the stored tile); every other kernel in the
+default CPU space, whose MultiLevelTiling (``SSRSRS``) may fuse the epilogue at tile level 1 or
+2 or leave it as its own loop nest. :class:`RegisterBudget` is the register-pressure check as a
 postprocessor: a candidate whose register tile does not fit the chip's registers is discarded
 before it is built or measured.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import fcntl
+import functools
 import importlib
 import importlib.machinery
 import json
@@ -320,11 +322,16 @@ class RegisterBudget(ms.postproc.PyPostproc):
     def apply(self, sch) -> bool:
         if self.anchor is None:
             return True
-        try:
-            tile = register_tile(sch, self.anchor.block, self.chip.lanes(self.anchor.dtype))
-        except (TuningError, tvm.error.TVMError, ValueError):
-            return True  # not the shape we know: leave it to the other postprocessors
-        if tile + self.anchor.epilogue_operands > self.budget:
+        sampled = conv_schedule.sampled_tile(sch, self.anchor, self.chip)
+        if sampled is not None:  # our blocked space: FuseEpilogue's own static estimate
+            need = conv_schedule.live_vector_registers(self.anchor, sampled, self.chip)
+        else:
+            try:
+                tile = register_tile(sch, self.anchor.block, self.chip.lanes(self.anchor.dtype))
+            except (TuningError, RuntimeError, ValueError):
+                return True  # not the shape we know: leave it to the other postprocessors
+            need = tile + self.anchor.epilogue_operands
+        if need > self.budget:
             self.counter.add(self.task)
             return False
         return True
@@ -333,6 +340,20 @@ class RegisterBudget(ms.postproc.PyPostproc):
         other = RegisterBudget(self.chip, self.counter)
         other.task, other.anchor, other.budget = self.task, self.anchor, self.budget
         return other
+
+
+def design_space(workload: IRModule, chip, postprocs: list) -> ms.space_generator.SpaceGenerator:
+    """The search space of one task: for a blocked conv, our schedule with its register tile
+    sampled and one space per epilogue level (:func:`conv_schedule.design_spaces`); for any
+    other kernel, MetaSchedule's default CPU space (MultiLevelTiling ``SSRSRS``, whose write
+    reuse places the epilogue on the inner or outer tile or leaves it separate)."""
+    chip = chips.get(chip)
+    if conv_schedule.design_spaces(s_tir.Schedule(workload["main"]), chip) is not None:
+        return ms.space_generator.ScheduleFn(
+            functools.partial(conv_schedule.design_spaces, chip=chip), sch_rules=[],
+            postprocs=postprocs, mutator_probs="from-target")
+    return ms.space_generator.PostOrderApply(
+        sch_rules="from-target", postprocs=postprocs, mutator_probs="from-target")
 
 
 @derived_object
@@ -605,12 +626,9 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
     seeds = ms.utils.fork_seed(seed, n=len(tasks))
     for task, task_logger, rand in zip(tasks, loggers, seeds, strict=True):
         known = _measured_hashes(records.get(task.task_name, []))
-        space = ms.space_generator.PostOrderApply(
-            sch_rules="from-target",  # CPU: MultiLevelTiling SSRSRS, write reuse "may" @ 1, 2
-            postprocs=[RegisterBudget(chip, counter), *ms.postproc.Postproc.create("llvm"),
-                       SkipMeasured(known)],
-            mutator_probs="from-target",
-        )
+        space = design_space(task.dispatched[0], chip, [
+            RegisterBudget(chip, counter), *ms.postproc.Postproc.create("llvm"),
+            SkipMeasured(known)])
         strategy = ms.search_strategy.EvolutionarySearch(
             population_size=population_size, genetic_num_iters=genetic_num_iters,
             init_min_unmeasured=min(50, population_size // 2))
