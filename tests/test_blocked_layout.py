@@ -227,6 +227,42 @@ def test_a_region_through_an_unsafe_op_is_not_padded():
     assert_close(run(blocked, x), run(mod, x))
 
 
+def stem_module(pool=True, also_returned=False, seed=8):
+    """RGB x -> conv (3 -> 2 blocks) -> + bias -> relu [-> max pool] -> conv [, the relu]."""
+    rng = np.random.default_rng(seed)
+    w1, b1, w2 = _w(rng, 2 * B, 3, 3, 3), _w(rng, 1, 2 * B, 1, 1), _w(rng, 2 * B, 2 * B, 1, 1)
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.add(bb.emit(R.nn.conv2d(x, w1, strides=2, padding=1)),
+                                            b1))))
+        z = bb.emit(R.nn.max_pool2d(y, 3, 2, 1)) if pool else y
+        out = bb.emit(R.nn.conv2d(z, w2))
+        return relax.Tuple([out, y]) if also_returned else out
+
+    x = rng.normal(size=(1, 3, 16, 16)).astype("float32")
+    return function([tensor_var("x", x.shape)], body), x
+
+
+@pytest.mark.parametrize("pool", [True, False])
+def test_an_rgb_stem_writes_the_blocked_layout_itself(pool):
+    """ConvertLayout leaves a 3-channel conv in NCHW; the stem then writes NCHW{b}c through its
+    epilogue and max pool: the only layout transform left is the one back at the end."""
+    mod, x = stem_module(pool)
+    out, report = fused(mod)
+    assert layout_kernel_count(out) == 1
+    stem = next(r for r in report if r.ops[0] == "conv2d" and "add" in " ".join(r.ops))
+    assert stem.spill_moves == 0
+    assert_close(run(out, x), run(mod, x))
+
+
+def test_a_stem_whose_output_is_used_twice_stays_nchw():
+    mod, x = stem_module(pool=False, also_returned=True)
+    blocked = to_blocked(mod, B)
+    assert layout_kernel_count(blocked) >= 2  # the stem's output is transformed, not written
+    for got, want in zip(_run_tuple(blocked, x), _run_tuple(mod, x), strict=True):
+        assert_close(got, want)
+
+
 def _run_tuple(mod, x):
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
     return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]

@@ -26,19 +26,23 @@ producing convs get zero output filters, the consuming convs zero weights for th
 so the padded channels never reach a real output (exact for finite activations). Step 3 is
 TVM's ConvertLayout: every conv2d whose channels split into blocks, and the elementwise ops
 between them, move to the blocked layout; layout transforms remain only where the region starts
-or ends (a 3-channel stem, pooling, flatten). Step 3 legalizes the blocked convs with our
-compute (groups = 1 and depthwise); any other blocked conv gets its layout transformed back.
+or ends (pooling, flatten); a stem conv whose input channels do not block (RGB) then writes
+the blocked layout itself, through its epilogue and max pool. Step 4 legalizes the blocked convs
+with our compute (groups = 1 and depthwise); any other blocked conv gets its layout transformed
+back.
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import tvm
 import tvm_ffi
 from tvm import relax, te, topi
 
 from .errors import BNFoldError
+from .fold_bn import count_uses
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +67,7 @@ def to_blocked(mod: tvm.IRModule, block: int) -> tvm.IRModule:
         relax.transform.Normalize(),
         relax.transform.EliminateCommonSubexpr(),
         relax.transform.FoldConstant(),
+        _BlockStems(block),
         # Step 4. Legalize, blocked convs with our compute; pack the weights once.
         relax.transform.LegalizeOps({"relax.nn.conv2d": _legalize_conv2d}),
         relax.transform.FoldConstant(),
@@ -337,8 +342,6 @@ class _Padder(relax.PyExprMutator):
 
 
 def _pad_axis(array, axis: int, extra: int):
-    import numpy as np
-
     if extra <= 0:
         return array
     width = [(0, 0)] * array.ndim
@@ -348,6 +351,127 @@ def _pad_axis(array, axis: int, extra: int):
 
 def _const(array) -> relax.Expr:
     return relax.const(array, str(array.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3b: stems write the blocked layout
+# --------------------------------------------------------------------------------------------
+
+
+@tvm.transform.module_pass(opt_level=0, name="BlockStems")
+class _BlockStems:
+    """``layout_transform(chain(conv2d(x)))`` into ``NCHW{b}c``, where the conv reads a plain
+    ``x`` whose channels do not block (ConvertLayout leaves such a stem in NCHW) and ``chain``
+    is channel-wise (the ops of :func:`_joins`, a max pool) with no other use: the conv writes
+    the blocked layout itself (weights packed ``OIHW{C}i{b}o``) and the chain runs on it."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod
+        for gvar, func in mod.functions.items():
+            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
+                continue
+            stems = _stems(func, self.block)
+            if stems:
+                out = out.clone() if out is mod else out
+                out.update_func(gvar, _StemRewriter(stems, self.block).visit_expr(func))
+        return out
+
+
+def _stems(func: relax.Function, block: int) -> dict:
+    """Role of each var to rewrite: "conv" (the stem), "chain" (its channel-wise ops); the
+    layout transform's var maps to the var whose blocked value replaces it."""
+    bindings = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+    uses = count_uses(func)
+    out: dict = {}
+    for var, value in bindings.items():
+        if not (isinstance(value, relax.Call) and value.op == _LAYOUT_TRANSFORM
+                and _is_blocking(value, block)):
+            continue
+        chain, v = [], value.args[0]
+        while isinstance(v, relax.Var) and v in bindings and uses.get(v, 0) == 1:
+            val = bindings[v]
+            if _is_conv2d(val):
+                if (val.attrs.groups == 1 and _constant(val.args[1])
+                        and _channels(val) % block == 0 and _channels(val.args[0]) % block):
+                    out.update({v: "conv", **dict.fromkeys(chain, "chain"),
+                                var: chain[-1] if chain else v})
+                break
+            if not (_joins(val, _channels(val) or 0) or _is_max_pool(val)):
+                break
+            chain.insert(0, v)
+            v = next(a for a in val.args if isinstance(a, relax.Var))
+    return out
+
+
+_LAYOUT_TRANSFORM = tvm.ir.Op.get("relax.layout_transform")
+
+
+def _is_blocking(call: relax.Call, block: int) -> bool:
+    """``call`` is ``layout_transform`` NCHW -> NCHW{block}c."""
+    if call.attrs.pad_value is not None or _channels(call.args[0]) is None:
+        return False
+    index_map = call.attrs.index_map
+    ref = tvm.tirx.IndexMap.from_func(lambda n, c, h, w: (n, c // block, h, w, c % block),
+                                      index_dtype=str(index_map.initial_indices[0].ty))
+    return tvm_ffi.structural_equal(index_map, ref, map_free_vars=True)
+
+
+def _is_max_pool(value) -> bool:
+    return (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.nn.max_pool2d")
+            and str(value.attrs.layout) == "NCHW" and str(value.attrs.out_layout) == "NCHW")
+
+
+@relax.expr_functor.mutator
+class _StemRewriter(relax.PyExprMutator):
+    """Re-emit each stem and its chain in the blocked layout; the transform takes the result."""
+
+    def __init__(self, stems: dict, block: int) -> None:
+        super().__init__()
+        self.stems, self.block = stems, block
+        self.blocked: dict = {}  # old var -> its blocked var
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        var, value, role = binding.var, binding.value, self.stems.get(binding.var)
+        if role == "conv":
+            self.blocked[var] = self.builder_.emit(self._conv(value))
+        elif role == "chain":
+            self.blocked[var] = self.builder_.emit(self._chain_op(value))
+        elif role is not None:  # the layout transform: now the chain's blocked result
+            self.builder_.emit_normalized(relax.VarBinding(var, self.blocked[role]))
+        else:
+            super().visit_var_binding_(binding)
+
+    def _conv(self, value: relax.Call) -> relax.Expr:
+        b, attrs = self.block, value.attrs
+        weight = value.args[1].value.numpy()
+        o, c, kh, kw = weight.shape  # -> (O/b, 1, KH, KW, C, b)
+        packed = weight.reshape(o // b, b, 1, c, kh, kw).transpose(0, 2, 4, 5, 3, 1)
+        return relax.op.nn.conv2d(
+            self.visit_expr(value.args[0]), _const(np.ascontiguousarray(packed)), attrs.strides,
+            attrs.padding, attrs.dilation, 1, "NCHW", f"OIHW{c}i{b}o", f"NCHW{b}c",
+            _out_dtype(attrs))
+
+    def _chain_op(self, value: relax.Call) -> relax.Expr:
+        b = self.block
+        if _is_max_pool(value):
+            a = value.attrs
+            return relax.op.nn.max_pool2d(
+                self.blocked[value.args[0]], a.pool_size, a.strides, a.padding, a.dilation,
+                a.ceil_mode, a.count_include_pad, f"NCHW{b}c", f"NCHW{b}c")
+        args = []
+        for arg in value.args:
+            if arg in self.blocked:
+                args.append(self.blocked[arg])
+            elif _constant(arg) and arg.value.ndim == 4 and int(arg.value.shape[1]) > 1:
+                x = arg.value.numpy()  # (1, C, 1, 1) -> (1, C/b, 1, 1, b)
+                args.append(_const(np.ascontiguousarray(
+                    x.reshape(1, x.shape[1] // b, b, 1, 1).transpose(0, 1, 3, 4, 2))))
+            else:
+                args.append(arg)
+        return relax.Call(value.op, args, value.attrs, value.ty_args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,12 +489,14 @@ def _legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     if block is None:
         return _nn_conv2d(bb, call)
     data, weight = call.args
-    channels = int(data.ty.shape.values[1]) * block
-    out_channels = int(weight.ty.shape.values[0]) * block
     out_dtype = _out_dtype(attrs) or str(data.ty.dtype)
     args = dict(strides=[int(s) for s in attrs.strides],
                 padding=[int(p) for p in attrs.padding],
                 dilation=[int(d) for d in attrs.dilation], out_dtype=out_dtype)
+    if str(attrs.data_layout) == "NCHW":  # a stem, its weights packed by _BlockStems
+        return bb.call_te(conv2d_nchwc, data, weight, **args, primfunc_name_hint=CONV_BLOCK)
+    channels = int(data.ty.shape.values[1]) * block
+    out_channels = int(weight.ty.shape.values[0]) * block
     if attrs.groups == 1:
         packed = bb.emit(relax.op.layout_transform(
             weight, lambda o, i, y, x, oi: (o, i // block, y, x, i % block, oi)))
@@ -383,14 +509,17 @@ def _legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 def _block_of(attrs) -> int | None:
-    """``b`` of a conv2d in ``NCHW{b}c`` / ``OIHW{b}o`` (None for any other layout)."""
-    layout, kernel = str(attrs.data_layout), str(attrs.kernel_layout)
-    if not (layout.startswith("NCHW") and layout.endswith("c") and layout[4:-1].isdigit()):
+    """``b`` of a conv2d in ``NCHW{b}c`` / ``OIHW{b}o``, or of a stem (``NCHW`` /
+    ``OIHW{C}i{b}o`` -> ``NCHW{b}c``); None for any other layout."""
+    layout, kernel, out = str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)
+    if not (out.startswith("NCHW") and out.endswith("c") and out[4:-1].isdigit()):
         return None
-    block = int(layout[4:-1])
-    if kernel != f"OIHW{block}o" or str(attrs.out_layout) != layout:
-        return None
-    return block
+    block = int(out[4:-1])
+    if layout == out and kernel == f"OIHW{block}o":
+        return block
+    inner = kernel.removeprefix("OIHW").removesuffix(f"i{block}o")
+    stem = kernel == f"OIHW{inner}i{block}o" and inner.isdigit()
+    return block if layout == "NCHW" and stem else None
 
 
 def _out_dtype(attrs) -> str | None:
@@ -420,7 +549,9 @@ def _padded(data: te.Tensor, padding) -> te.Tensor:
     top, left, bottom, right = padding
     if not any(padding):
         return data
-    return topi.nn.pad(data, [0, 0, top, left, 0], [0, 0, bottom, right, 0], name="pad_temp")
+    rest = [0] * (len(data.shape) - 4)
+    return topi.nn.pad(data, [0, 0, top, left, *rest], [0, 0, bottom, right, *rest],
+                       name="pad_temp")
 
 
 def _out_size(size: int, kernel: int, stride: int, dilation: int, pad: int) -> int:
@@ -429,8 +560,9 @@ def _out_size(size: int, kernel: int, stride: int, dilation: int, pad: int) -> i
 
 def conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
                  out_dtype: str) -> te.Tensor:
-    """``data`` (N, C/b, H, W, b) x ``weight`` (O/b, C/b, KH, KW, b, b) -> (N, O/b, OH, OW, b)."""
-    n, _, h, w, _ = (int(d) for d in data.shape)
+    """``data`` (N, C/b, H, W, b) x ``weight`` (O/b, C/b, KH, KW, b, b) -> (N, O/b, OH, OW, b);
+    a stem's ``data`` (N, C, H, W) with ``weight`` (O/b, 1, KH, KW, C, b) likewise."""
+    n, _, h, w = (int(d) for d in data.shape[:4])
     blocks_out, blocks_in, kh, kw, block_in, block_out = (int(d) for d in weight.shape)
     (sh, sw), (dh, dw) = strides, dilation
     oh = _out_size(h, kh, sh, dh, padding[0] + padding[2])
@@ -439,10 +571,15 @@ def conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
     rco = te.reduce_axis((0, blocks_in), "rco")
     ry, rx = te.reduce_axis((0, kh), "ry"), te.reduce_axis((0, kw), "rx")
     rci = te.reduce_axis((0, block_in), "rci")
+    def read(b, y, x):
+        if len(data.shape) == 4:
+            return pad[b, rco * block_in + rci, y, x]
+        return pad[b, rco, y, x, rci]
+
     return te.compute(
         (n, blocks_out, oh, ow, block_out),
         lambda b, o, y, x, oi: te.sum(
-            pad[b, rco, y * sh + ry * dh, x * sw + rx * dw, rci].astype(out_dtype)
+            read(b, y * sh + ry * dh, x * sw + rx * dw).astype(out_dtype)
             * weight[o, rco, ry, rx, rci, oi].astype(out_dtype),
             axis=[rco, ry, rx, rci]),
         name=CONV_BLOCK)

@@ -775,8 +775,12 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     sch.unroll(blocks_in)
     sch.unroll(cols_in)
     sch.vectorize(lanes)
-    taps = reduction[-1] if not anchor.shared_input else reduction[-2]
-    sch.unroll(taps)
+    # The kernel columns unrolled, except around a channel loop shorter than a vector (a
+    # stem's 3 channels, which LLVM unrolls itself: both unrolled spilled 26-132 moves).
+    if not anchor.shared_input:
+        sch.unroll(reduction[-1])
+    elif anchor.reduction[-1] >= knobs.lanes:
+        sch.unroll(reduction[-2])
     init = sch.decompose_reduction(block, reduction[0])
     for b in (init, *on_tile):
         _vectorize_nest(sch, b, par, knobs.lanes, 0)

@@ -140,7 +140,7 @@ class _Analysis:
 
     def __init__(self, func: relax.Function) -> None:
         self.var2val = relax.analysis.get_var2val(func)
-        self.uses = _count_uses(func)
+        self.uses = count_uses(func)
         # Bindings of unused ``tuple[i]`` (the ONNX importer reads BN outputs 1 and 2 and never
         # uses them) are dead: they do not count as uses of the tuple.
         self.dead = set()
@@ -443,7 +443,8 @@ def _normalize_axis(axis, ndim: int) -> int:
     return axis + ndim if axis < 0 else axis
 
 
-def _count_uses(func: relax.Function) -> dict:
+def count_uses(func: relax.Function) -> dict:
+    """Var -> how many times ``func`` reads it (tuples and the return value included)."""
     counter = _UseCounter()
     counter.visit_expr(func)
     return counter.uses
