@@ -2,6 +2,7 @@
 bench and tune, all on a tiny ONNX model."""
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import onnx
 import pytest
 import tvm
 from tvm import relax
+from tvm.s_tir import meta_schedule as ms
 
 import tvm_bnfold
 from _util import assert_close
@@ -112,7 +114,7 @@ def test_fold_prints_each_batchnorm_and_a_summary(tiny, capsys):
 def test_compile_writes_a_library_that_loads_and_runs(tiny, tmp_path, capsys):
     so = tmp_path / "model.so"
     assert cli.main(["compile", tiny, "--chip", "avx2", "-o", str(so)]) == 0
-    assert "7 kernels" in capsys.readouterr().out  # 5 + 2 layout transforms
+    assert "6 kernels" in capsys.readouterr().out  # 5 + a layout transform
     mod = load_onnx(tiny)
     inputs = list(random_inputs(mod).values())
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(so)), tvm.cpu())
@@ -141,7 +143,7 @@ def test_demo_prints_the_summary_and_writes_a_report(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tiny: 2 BatchNorms: 2 folded" in out
     assert "BatchNorms: 2 -> 0" in out
-    assert "kernels: 11 -> 7" in out
+    assert "kernels: 11 -> 6" in out
     error = float(out.split("max abs error vs unfused: ")[1].split()[0])
     assert error < 1e-4
     for name in ("report.md", "report.html", "kernels.png", "latency_tiny.png"):
@@ -153,7 +155,7 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
     out = capsys.readouterr().out
     for variant in ("unfused", "stock", "foldbn", "ours", "onnxruntime"):
         assert f" {variant} " in out
-    peak = float(out.split("numpy BLAS): ")[1].split()[0])
+    peak = float(out.split(f"{bench.PEAK_LABEL}): ")[1].split()[0])
     assert peak > 0
     assert "of the sgemm peak" in out
 
@@ -176,3 +178,19 @@ def test_tune_then_compile_uses_the_database(tiny, tmp_path, monkeypatch, capsys
     vm = relax.VirtualMachine(tvm.runtime.load_module(str(so)), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
     np.testing.assert_allclose(out, bench.run_once(mod, inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_tune_stock_tunes_the_stock_graph_beside_ours(tiny, tmp_path, monkeypatch):
+    """--stock: the stock-TVM-fused kernels (the BatchNorm decomposed in their epilogues) go
+    to <model>-stock, the baseline make bench compares the tuned build against."""
+    from tvm_bnfold import tuning as tune
+    monkeypatch.setattr(tune, "TUNING_LOGS", tmp_path / "logs")
+    monkeypatch.setattr(tune, "tune", functools.partial(
+        tune.tune, population_size=16, genetic_num_iters=1, num_trials_per_iter=2))
+    assert cli.main(["tune", tiny, "--chip", "avx2", "--trials", "6", "--quiet", "--stock"]) == 0
+    lines = (tmp_path / "logs" / "avx2" / "tiny-stock" / tune.WORKLOAD_FILE).read_text()
+    scripts = [ms.database.Workload.from_json(json.loads(line)).mod.script()
+               for line in lines.splitlines()]
+    convs = [t for t in scripts if "conv2d_nchw" in t]
+    assert len(convs) == 2 and not any("NCHWc" in t for t in scripts)
+    assert all("T_subtract" in t for t in convs)  # the BatchNorm, decomposed in the epilogue

@@ -73,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on TVM RPC servers")
     p.add_argument("--rpc-key", metavar="KEY", help="device key of the RPC servers")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--stock", action="store_true",
+                   help="tune the stock-TVM-fused graph instead (DecomposeOpsForInference + "
+                        "FuseOps + FuseTIR), into tuning_logs/<chip>/<model>-stock: the "
+                        "baseline make bench compares ours tuned against")
 
     p = sub.add_parser("bench", help="time every variant of MODEL on a chip that runs here",
                        description="Compile and time MODEL as: unfused, stock TVM, FoldBN only, "
@@ -228,9 +232,13 @@ def _tune(args) -> None:
         raise BNFoldError("--rpc-tracker and --rpc-key go together")
     if args.rpc_tracker:
         rpc.parse_tracker(args.rpc_tracker)
-    name = report.model_name(args.model)
+    name = report.model_name(args.model) + ("-stock" if args.stock else "")
     work_dir = tuning.database_dir(chip, args.work_dir, name)
-    mod = _fold_fuse(args.model, chip)
+    if args.stock:
+        mod = bench.variants(load_onnx(get_model(args.model)), chip, baselines=("stock",))
+        mod = mod["stock"].mod
+    else:
+        mod = _fold_fuse(args.model, chip)
     tuning.tune(mod, chip, str(work_dir), args.trials, quiet=args.quiet,
          rpc_tracker=args.rpc_tracker, rpc_key=args.rpc_key)
     print(f"tuning database: {work_dir}")
@@ -245,7 +253,7 @@ def _bench(args) -> None:
                             report.progress)
     peak = bench.sgemm_peak()
     bench.print_rows(rows)
-    print(f"practical peak (2048^3 fp32 sgemm, numpy BLAS): {peak:.1f} GFLOP/s")
+    print(f"practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s")
     bench.print_peak(rows, bench.model_flops(mod) / 1e9, peak)
 
 

@@ -57,7 +57,7 @@ def collect(
     models: Sequence[str],
     repeat: int = 10,
     say: Callable[[str], None] = progress,
-    baselines: tuple[str, ...] = ("unfused", "stock", "foldbn"),
+    baselines: tuple[str, ...] = ("unfused", "stock", "foldbn", "nchw"),
 ) -> list[Result]:
     """Measure every variant per chip and model (see the module docstring); ``baselines``
     as in :func:`bench.compare`."""
@@ -274,7 +274,7 @@ def write(
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     machine = f"{_cpu()}; generated {stamp}; load average {load} (1, 5, 15 min)"
     if peak:
-        machine += f"; practical peak (2048^3 fp32 sgemm, numpy BLAS): {peak:.1f} GFLOP/s"
+        machine += f"; practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s"
     notes = _notes(results, peak)
     tables = {m: _table(results, m) for m in models}
 

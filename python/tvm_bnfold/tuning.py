@@ -547,9 +547,9 @@ def tune(
     builder: ms.builder.Builder | None = None,
     rpc_tracker: str | None = None,
     rpc_key: str | None = None,
-    num_trials_per_iter: int = 64,
-    population_size: int = 512,
-    genetic_num_iters: int = 4,
+    num_trials_per_iter: int = 16,
+    population_size: int = 128,
+    genetic_num_iters: int = 3,
     build_timeout_s: float = 120.0,
     seed: int | None = None,
 ) -> ms.database.JSONDatabase:
