@@ -210,6 +210,23 @@ def test_a_padded_tensor_read_by_another_op_gets_a_slice():
         assert_close(got, want)
 
 
+def test_a_padded_region_ending_in_the_output_binding():
+    """The function returns relu(conv(y) + y) of 12 channels directly: the output binding reads
+    a slice, the padded region stays inside the dataflow block."""
+    rng = np.random.default_rng(9)
+    w1, w2 = _w(rng, 12, B, 3, 3), _w(rng, 12, 12, 1, 1)
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1, padding=1))))
+        return R.nn.relu(bb.emit(R.add(bb.emit(R.nn.conv2d(y, w2)), y)))
+
+    mod = function([tensor_var("x", (1, B, 6, 6))], body)
+    x = rng.normal(size=(1, B, 6, 6)).astype("float32")
+    blocked = to_blocked(mod, B)
+    assert [int(d) for d in blocked["main"].ret_ty.shape.values] == [1, 12, 6, 6]
+    assert_close(run(blocked, x), run(mod, x))
+
+
 def test_a_region_through_an_unsafe_op_is_not_padded():
     """exp is not on the list of ops that keep a padded channel finite: the 12-channel tensors
     stay unpadded (NCHW between layout transforms), the numbers stay."""

@@ -191,8 +191,8 @@ def _grow(start, bindings, users, block) -> tuple[dict, bool]:
         if var in region:
             continue
         value = bindings.get(var)
-        if _channels(var) != channels or value is None:
-            return region, False
+        if _channels(var) != channels or value is None or not isinstance(var, relax.DataflowVar):
+            return region, False  # a function input, an output binding: not ours to change
         if not (_is_producer(value, block) or _joins(value, channels)):
             return region, False
         region[var] = channels
@@ -200,8 +200,10 @@ def _grow(start, bindings, users, block) -> tuple[dict, bool]:
             todo.extend(a for a in _args(value)
                         if isinstance(a, relax.Var) and _channels(a) == channels)
         # Users: channel-by-channel ops join; plain convs read the padded tensor with zero
-        # weights (and start their own region if they are producers); others read a slice.
-        todo.extend(u for u in users.get(var, []) if _joins(bindings[u], channels))
+        # weights (and start their own region if they are producers); others (an output
+        # binding among them) read a slice.
+        todo.extend(u for u in users.get(var, [])
+                    if isinstance(u, relax.DataflowVar) and _joins(bindings[u], channels))
     return region, True
 
 
