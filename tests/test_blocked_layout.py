@@ -272,6 +272,24 @@ def test_an_rgb_stem_writes_the_blocked_layout_itself(pool):
     assert_close(run(out, x), run(mod, x))
 
 
+def test_a_stem_chain_with_a_second_tensor_stays_nchw():
+    """conv(x) + x-sized tensor: the chain has two tensor operands, the stem is not rewritten
+    (one of them would stay NCHW), and the numbers stay."""
+    rng = np.random.default_rng(10)
+    w1, w2 = _w(rng, 2 * B, 3, 3, 3), _w(rng, 2 * B, 2 * B, 1, 1)
+    params = [tensor_var("x", (1, 3, 8, 8)), tensor_var("r", (1, 2 * B, 8, 8))]
+
+    def body(bb, x, r):
+        y = bb.emit(R.nn.relu(bb.emit(R.add(bb.emit(R.nn.conv2d(x, w1, padding=1)), r))))
+        return R.nn.conv2d(y, w2)
+
+    mod = function(params, body)
+    inputs = [rng.normal(size=(1, 3, 8, 8)).astype("float32"),
+              rng.normal(size=(1, 2 * B, 8, 8)).astype("float32")]
+    blocked = to_blocked(mod, B)
+    assert_close(run(blocked, *inputs), run(mod, *inputs))
+
+
 def test_a_stem_whose_output_is_used_twice_stays_nchw():
     mod, x = stem_module(pool=False, also_returned=True)
     blocked = to_blocked(mod, B)

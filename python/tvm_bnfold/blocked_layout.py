@@ -393,7 +393,7 @@ def _stems(func: relax.Function, block: int) -> dict:
                 and _is_blocking(value, block)):
             continue
         chain, v = [], value.args[0]
-        while isinstance(v, relax.Var) and v in bindings and uses.get(v, 0) == 1:
+        while isinstance(v, relax.DataflowVar) and v in bindings and uses.get(v, 0) == 1:
             val = bindings[v]
             if _is_conv2d(val):
                 if (val.attrs.groups == 1 and _constant(val.args[1])
@@ -401,10 +401,11 @@ def _stems(func: relax.Function, block: int) -> dict:
                     out.update({v: "conv", **dict.fromkeys(chain, "chain"),
                                 var: chain[-1] if chain else v})
                 break
-            if not (_joins(val, _channels(val) or 0) or _is_max_pool(val)):
-                break
+            tensors = [a for a in _args(val) if isinstance(a, relax.Var)]
+            if len(tensors) != 1 or not (_joins(val, _channels(val) or 0) or _is_max_pool(val)):
+                break  # (a residual add would mix the layouts)
             chain.insert(0, v)
-            v = next(a for a in val.args if isinstance(a, relax.Var))
+            v = tensors[0]
     return out
 
 
