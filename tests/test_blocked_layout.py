@@ -180,6 +180,25 @@ def test_a_conv_chain_has_transforms_only_at_its_ends():
     assert_close(run(out, x), run(mod, x))
 
 
+@pytest.mark.parametrize("second", [B, B // 2])
+def test_a_channel_concat_of_convs(second):
+    """Two convs concatenated along the channels (a YOLO / Inception join), then a conv and a
+    global average pool: blocked where the channel counts allow, always the same numbers."""
+    rng = np.random.default_rng(11)
+    w1, w2, w3 = _w(rng, B, B, 3, 3), _w(rng, second, B, 1, 1), _w(rng, B, B + second, 1, 1)
+
+    def body(bb, x):
+        a = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1, padding=1))))
+        b = bb.emit(R.nn.conv2d(x, w2))
+        y = bb.emit(R.nn.conv2d(bb.emit(R.concat([a, b], axis=1)), w3))
+        return R.mean(y, axis=[2, 3], keepdims=True)
+
+    mod = function([tensor_var("x", (1, B, 6, 6))], body)
+    x = rng.normal(size=(1, B, 6, 6)).astype("float32")
+    out, _ = fused(mod)
+    assert_close(run(out, x), run(mod, x))
+
+
 def test_channel_padding_keeps_a_region_blocked():
     """mid = 1.5 blocks (24 channels on avx512, as in MobileNetV2): the producing convs get zero
     filters, the consumer zero weights; no transform inside the chain, the same numbers."""
