@@ -8,7 +8,6 @@ side per chip that runs here (medians from one process).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -173,10 +172,7 @@ def sgemm_peak(n: int = 2048, repeat: int = 5) -> float:
     session = _ort_matmul(n)
     if session is not None:
         runs.append(lambda: session.run(None, {"a": a, "b": b}))
-    best = math.inf
-    for run in runs:
-        run()  # warm-up: threads, pages
-        best = min(best, _time(run, repeat)[0])
+    best = min(_time(run, repeat)[0] for run in runs)
     return 2 * n**3 / best / 1e9
 
 
@@ -204,15 +200,22 @@ def _ort_matmul(n: int):
 
 def latency(mod, inputs: list[np.ndarray], target, repeat: int = 10):
     """Time ``main`` of an IRModule (built here) or a built executable: (median s, p90 s, output)
-    over ``repeat`` runs after one warm-up run."""
+    over ``repeat`` runs after :data:`WARMUP` untimed ones."""
     ex = tvm.compile(mod, target=target) if isinstance(mod, tvm.IRModule) else mod
     vm = relax.VirtualMachine(ex, tvm.cpu())
     args = [tvm.runtime.tensor(x) for x in inputs]
-    out = vm["main"](*args).numpy()  # warm-up run, also the output
+    out = vm["main"](*args).numpy()  # the output
     return (*_time(lambda: vm["main"](*args), repeat), out)
 
 
+#: Untimed runs before each timed series: the previous variant's thread pool (TVM's, ONNX
+#: Runtime's) spins for a while after its last run and takes the cores from this one.
+WARMUP = 3
+
+
 def _time(run: Callable[[], object], repeat: int) -> tuple[float, float]:
+    for _ in range(WARMUP):
+        run()
     times = []
     for _ in range(max(repeat, 1)):
         start = time.perf_counter()

@@ -220,7 +220,9 @@ def _notes(results: list[Result], peak: float | None) -> list[str]:
         f"{os.environ.get('TVM_NUM_THREADS', '?')} TVM threads, all variants of a chip timed "
         "side by side in one process. Speedups are over the unfused and stock-TVM rows.",
         "Variants: unfused = every op its own kernel; stock = TVM's DecomposeOpsForInference + "
-        "FuseOps + FuseTIR; every TVM variant gets our default conv/matmul schedule. ONNX Runtime "
+        "FuseOps + FuseTIR; both, and FoldBN only, get our default NCHW conv/matmul schedule; "
+        "FoldBN+FuseEpilogue puts CPU convs in the blocked channel layout (the NCHW row is the "
+        "same without it). Tuned rows use tuning_logs/<chip>/<model>[-stock]/. ONNX Runtime "
         "runs with all graph optimizations and one intra-op thread per core.",
         "max regs / max spills: the largest over the conv/matmul kernels (CPU: static estimate of "
         "live vector registers and vector spill moves counted in the LLVM asm; CUDA: registers "
@@ -231,7 +233,10 @@ def _notes(results: list[Result], peak: float | None) -> list[str]:
     not_run = sorted({r.chip.name for r in results if not r.chip.runs_here})
     if not_run:
         notes.append(f"{', '.join(not_run)}: cannot run on this machine ({_cpu()}), so only "
-                     f"static columns; latency says \"{bench.NOT_RUN}\".")
+                     f"static columns; latency says \"{bench.NOT_RUN}\". There nothing is "
+                     "tuned or measured: the register check's static estimate (and the spill "
+                     "count of the cross-compiled asm, or ptxas for CUDA) and the default "
+                     "schedule decide every kernel.")
     if peak:
         for r in results:
             for row in r.rows:
