@@ -55,7 +55,7 @@ def conv_module(cin, cout, hw=9, k=3, stride=1, pad=1, dilation=1, groups=1, act
 
 
 def fused(mod, chip=CHIP, **kwargs):
-    fuse = FuseEpilogue(chip, **kwargs)
+    fuse = FuseEpilogue(chip, **{"blocked": True, **kwargs})  # avx2 defaults to NCHW
     with chip.target:
         return fuse(mod), fuse.report
 
@@ -387,6 +387,12 @@ def test_layout_transforms_get_a_parallel_vectorized_schedule(shape):
 def test_injective_schedule_leaves_reductions_alone():
     mod, _ = conv_module(B, B)
     (func,) = [f for f in fuse_graph(mod).functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert conv_schedule.schedule_injective(func, CHIP) is None
+
+
+def test_a_scalar_kernel_is_left_alone():
+    a = te.placeholder((), "float32", "a")
+    func = te.create_prim_func([a, te.compute((), lambda: a() + 1.0, name="b")])
     assert conv_schedule.schedule_injective(func, CHIP) is None
 
 

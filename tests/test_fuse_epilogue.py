@@ -120,6 +120,15 @@ def _run_tuple(mod, x):
     return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
 
 
+@pytest.mark.parametrize(("chip", "blocked"), [("avx512", True), ("avx2", False),
+                                               ("aarch64", True), ("cuda-sm80", False)])
+def test_the_blocked_layout_is_the_default_where_32_vector_registers_hold_it(chip, blocked):
+    mod, _ = conv_act_module(ACTIVATIONS["relu"], shape=(1, 16, 8, 8), cout=32)
+    out, _ = _fuse(mod, chip)
+    names = [g.name_hint for g, f in out.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert any("NCHWc" in n for n in names) == blocked
+
+
 def test_without_a_target_is_a_clear_error():
     mod, _ = conv_act_module(ACTIVATIONS["relu"])
     with pytest.raises(BNFoldError, match="no target"):

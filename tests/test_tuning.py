@@ -71,7 +71,7 @@ def conv_module(cin=8, cout=16, hw=10, seed=0):
 
 def fused(mod):
     with CHIP.target:
-        return FuseEpilogue(CHIP, measure=False)(mod)
+        return FuseEpilogue(CHIP, measure=False, blocked=True)(mod)  # our design space
 
 
 def vm_run(ex, x):
@@ -115,7 +115,7 @@ def test_scheduled_kernel_keeps_its_workload_and_still_compiles(tmp_path):
     unscheduled = fuse_graph(mod, CHIP.lanes())[gvar.name_hint]
     tvm.ir.assert_structural_equal(workload, unscheduled)
     assert "bnfold.workload" in fmod.script()  # the module still prints
-    again = FuseEpilogue(CHIP, measure=False)
+    again = FuseEpilogue(CHIP, measure=False, blocked=True)
     with CHIP.target:
         twice = again(fmod)
     assert str(twice[gvar].attrs[WORKLOAD_ATTR]) == str(fmod[gvar].attrs[WORKLOAD_ATTR])
@@ -158,7 +158,7 @@ def test_database_in_context_takes_precedence_in_fuse_epilogue(tuned):
     """FuseEpilogue's phase 2: a kernel the database in context has keeps the tuned schedule
     (decision "database"); tune() can still find its workload."""
     mod, x, fmod, work_dir = tuned
-    fuse = FuseEpilogue(CHIP, measure=False)
+    fuse = FuseEpilogue(CHIP, measure=False, blocked=True)
     with CHIP.target, load_database(work_dir):
         out = fuse(mod)
     (record,) = fuse.report

@@ -890,6 +890,8 @@ def schedule_injective(func: tirx.PrimFunc, chip) -> tirx.PrimFunc | None:
         with contextlib.suppress(s_tir.schedule.ScheduleError):
             sch.transform_block_layout(blocks[-1], tirx.IndexMap(own, indices, None))
     loops = sch.get_loops(blocks[-1])
+    if not loops:  # a scalar: nothing to parallelize
+        return None
     if len(loops) > 2 and int(sch.get(loops[-2]).extent) > 1:
         step = max(d for d in _divisors(int(sch.get(loops[-2]).extent)) if d <= 16)
         _, inner = sch.split(loops[-2], [None, step])
