@@ -4,6 +4,7 @@ import numpy as np
 from tvm import relax
 
 from _util import function, tensor_var
+from tvm_bnfold import chips
 from tvm_bnfold.bench import (
     COLUMNS,
     NOT_RUN,
@@ -13,6 +14,7 @@ from tvm_bnfold.bench import (
     model_flops,
     parameter_bytes,
     sgemm_peak,
+    variants,
 )
 from tvm_bnfold.fuse_epilogue import fuse_graph
 
@@ -63,3 +65,12 @@ def test_cells_say_not_run_instead_of_a_number():
 
 def test_sgemm_peak_is_positive():
     assert sgemm_peak(n=128, repeat=2) > 0
+
+
+def test_nchw_variant_only_where_ours_blocks():
+    """avx2 compiles NCHW by default, so its 'nchw' variant would be 'ours' twice."""
+    mod = _two_convs()
+    for chip, expected in (("avx512", {"nchw", "ours"}), ("avx2", {"ours"})):
+        found = variants(mod, chips.get(chip), schedule_baselines=False, measure=False,
+                         baselines=("nchw",))
+        assert set(found) == expected, chip

@@ -24,7 +24,13 @@ from tvm import relax
 
 from . import chips
 from .fold_bn import FoldBN
-from .fuse_epilogue import FuseEpilogue, FusionRecord, fuse_graph, schedule_kernels
+from .fuse_epilogue import (
+    FuseEpilogue,
+    FusionRecord,
+    blocked_by_default,
+    fuse_graph,
+    schedule_kernels,
+)
 from .models import BUILTIN, load_onnx, random_inputs
 from .tuning import RECORD_FILE, build, database_dir
 
@@ -287,7 +293,8 @@ def variants(
 ) -> dict[str, Variant]:
     """The model up to five ways: ``unfused`` (each op its own kernel), ``stock`` (TVM's BatchNorm
     decomposition + fusion), ``foldbn`` (FoldBN, then each op its own kernel), ``nchw``
-    (FoldBN + FuseEpilogue without the blocked layout) and ``ours`` (FoldBN + FuseEpilogue).
+    (FoldBN + FuseEpilogue without the blocked layout; only on chips where ours blocks) and
+    ``ours`` (FoldBN + FuseEpilogue).
     Every conv/matmul kernel of the first three gets our default NCHW schedule (the blocked
     layout needs the BatchNorms folded: ConvertLayout cannot carry them);
     ``schedule_baselines=False`` schedules only the FuseEpilogue variants (enough for static
@@ -306,6 +313,8 @@ def variants(
     with chip.target:
         for name in baselines:
             if name == "nchw":
+                if not blocked_by_default(chip):
+                    continue  # ours is NCHW on this chip already
                 fuse = FuseEpilogue(chip, measure, blocked=False)
                 result[name] = Variant(fuse(folded), op_counts(folded)["nn.batch_norm"],
                                        fuse.report)

@@ -92,7 +92,7 @@ class FuseEpilogue:
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         chip = chips.get(self.target)
-        blocked = chip.vector_regs >= BLOCKED_MIN_REGS if self.blocked is None else self.blocked
+        blocked = blocked_by_default(chip) if self.blocked is None else self.blocked
         block = chip.lanes("float32") if blocked and chip.kind == "cpu" else None
         with chip.target:
             # Phase 1. Graph level: blocked layout, legalize, group each anchor with its epilogue.
@@ -102,6 +102,11 @@ class FuseEpilogue:
         for record in self.report:
             logger.info("%s", record)
         return mod
+
+
+def blocked_by_default(chip: chips.Chip) -> bool:
+    """Whether FuseEpilogue puts ``chip``'s conv2ds in the blocked layout unless told."""
+    return chip.kind == "cpu" and chip.vector_regs >= BLOCKED_MIN_REGS
 
 
 def schedule_kernels(
