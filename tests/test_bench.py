@@ -8,7 +8,9 @@ from tvm_bnfold import chips
 from tvm_bnfold.bench import (
     COLUMNS,
     NOT_RUN,
+    WARMUP,
     cell,
+    interleaved,
     intermediate_bytes,
     kernel_count,
     model_flops,
@@ -74,3 +76,12 @@ def test_nchw_variant_only_where_ours_blocks():
         found = variants(mod, chips.get(chip), schedule_baselines=False, measure=False,
                          baselines=("nchw",))
         assert set(found) == expected, chip
+
+
+def test_interleaved_times_every_callable_in_each_round():
+    order = []
+    timed = interleaved({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, 3)
+    assert set(timed) == {"a", "b"}
+    assert all(0 <= median <= p90 for median, p90 in timed.values())
+    runs = WARMUP + 1
+    assert order == (["a"] * runs + ["b"] * runs) * 3  # a, b, a, b, ... not a, a, a, b, b, b

@@ -2,7 +2,7 @@
 
 ``python -m tvm_bnfold.bench`` (``make bench``) times FoldBN on the built-in models, measures the
 machine's practical peak with a large sgemm, then runs every variant (:data:`VARIANTS`) side by
-side per chip that runs here (medians from one process).
+side per chip that runs here (medians of interleaved rounds, one process).
 """
 
 from __future__ import annotations
@@ -204,35 +204,18 @@ def _ort_matmul(n: int):
 # --------------------------------------------------------------------------------------------
 
 
-def latency(mod, inputs: list[np.ndarray], target, repeat: int = 10):
-    """Time ``main`` of an IRModule (built here) or a built executable: (median s, p90 s, output)
-    over ``repeat`` runs after :data:`WARMUP` untimed ones."""
+def tvm_runner(mod, inputs: list[np.ndarray], target) -> tuple[Callable[[], object], np.ndarray]:
+    """A callable that runs ``main`` of an IRModule (built here) or a built executable, and
+    its output."""
     ex = tvm.compile(mod, target=target) if isinstance(mod, tvm.IRModule) else mod
     vm = relax.VirtualMachine(ex, tvm.cpu())
     args = [tvm.runtime.tensor(x) for x in inputs]
-    out = vm["main"](*args).numpy()  # the output
-    return (*_time(lambda: vm["main"](*args), repeat), out)
+    return (lambda: vm["main"](*args)), vm["main"](*args).numpy()
 
 
-#: Untimed runs before each timed series: the previous variant's thread pool (TVM's, ONNX
-#: Runtime's) spins for a while after its last run and takes the cores from this one.
-WARMUP = 3
-
-
-def _time(run: Callable[[], object], repeat: int) -> tuple[float, float]:
-    for _ in range(WARMUP):
-        run()
-    times = []
-    for _ in range(max(repeat, 1)):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), float(np.percentile(times, 90))
-
-
-def onnxruntime_latency(model: onnx.ModelProto, inputs: list[np.ndarray], repeat: int = 10):
-    """ONNX Runtime with all graph optimizations and one intra-op thread per core:
-    (median s, p90 s, output), or None when onnxruntime is not installed."""
+def onnxruntime_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
+    """ONNX Runtime with all graph optimizations and one intra-op thread per core: a callable
+    that runs it and its output, or None when onnxruntime is not installed."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -243,8 +226,31 @@ def onnxruntime_latency(model: onnx.ModelProto, inputs: list[np.ndarray], repeat
     session = ort.InferenceSession(model.SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     feed = {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
-    out = session.run(None, feed)[0]
-    return (*_time(lambda: session.run(None, feed), repeat), out)
+    return (lambda: session.run(None, feed)), session.run(None, feed)[0]
+
+
+#: Untimed runs before each timed run: the previous variant's thread pool (TVM's, ONNX
+#: Runtime's) spins for a while after its last run and takes the cores from this one.
+WARMUP = 2
+
+
+def _time(run: Callable[[], object], repeat: int) -> tuple[float, float]:
+    return interleaved({"run": run}, repeat)["run"]
+
+
+def interleaved(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, tuple]:
+    """(median s, p90 s) of each callable over ``repeat`` rounds; each round times every one
+    once, after :data:`WARMUP` untimed runs of it, so that a machine that slows down or speeds
+    up during the measurement (shared hosts do) weighs on all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(max(repeat, 1)):
+        for name, run in runs.items():
+            for _ in range(WARMUP):
+                run()
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: (statistics.median(t), float(np.percentile(t, 90))) for name, t in times.items()}
 
 
 def run_once(mod: tvm.IRModule, inputs: list[np.ndarray], target="llvm") -> np.ndarray:
@@ -382,21 +388,17 @@ def compare(
     say(f"{chip.name}/{name}: transforming (FoldBN, FuseEpilogue, baselines)")
     found = variants(mod, chip, schedule_baselines=runs, measure=measure, baselines=baselines)
     inputs = list(random_inputs(mod).values())
-    rows, ref = [], None
+    rows, runners = [], {}  # runners: variant -> (callable, output), all timed together
     for variant, v in found.items():
-        row = dict(model=name, chip=chip.name, variant=variant, kernels=kernel_count(v.mod),
-                   layout_kernels=layout_kernel_count(v.mod), batch_norms=v.batch_norms,
-                   intermediate_mb=intermediate_bytes(relax.transform.LegalizeOps()(v.mod)) / 1e6,
-                   parameter_mb=parameter_bytes(v.mod) / 1e6, **_schedule_columns(v.records))
+        rows.append(dict(
+            model=name, chip=chip.name, variant=variant, kernels=kernel_count(v.mod),
+            layout_kernels=layout_kernel_count(v.mod), batch_norms=v.batch_norms,
+            intermediate_mb=intermediate_bytes(relax.transform.LegalizeOps()(v.mod)) / 1e6,
+            parameter_mb=parameter_bytes(v.mod) / 1e6, **_schedule_columns(v.records)))
         if runs:
-            say(f"{chip.name}/{name}/{variant}: compiling and timing")
-            median, p90, out = latency(v.mod, inputs, chip.target, repeat)
-            ref = out if ref is None else ref
-            row.update(median_ms=median * 1e3, p90_ms=p90 * 1e3,
-                       max_abs_err=float(np.abs(out - ref).max()))
-        rows.append(row)
+            say(f"{chip.name}/{name}/{variant}: compiling")
+            runners[variant] = tvm_runner(v.mod, inputs, chip.target)
     ours = rows[-1]
-    extra = []
     # Tuned: ours with tuning_logs/<chip>/<model>/, and the stock graph with <model>-stock/
     # (tuned with the same budget; both keep the default schedule where it measured faster).
     tuned_sources = [("tuned", "ours", name, ours)]
@@ -412,19 +414,24 @@ def compare(
                 + next(iter(str(err).splitlines()), type(err).__name__))
             tuned = None
         if tuned is not None:
-            say(f"{chip.name}/{name}/{variant}: timing with {tuning_dir(chip, db_name)}")
-            extra.append((variant, dict(like), latency(tuned, inputs, chip.target, repeat)))
+            say(f"{chip.name}/{name}/{variant}: built with {tuning_dir(chip, db_name)}")
+            rows.append(dict(like, variant=variant))
+            runners[variant] = tvm_runner(tuned, inputs, chip.target)
     if runs and onnx_model is not None:
-        say(f"{chip.name}/{name}/onnxruntime: timing")
-        measured = onnxruntime_latency(onnx_model, inputs, repeat)
-        if measured is not None:
-            row = {k: None for k in ours} | dict(
-                model=name, chip=chip.name, parameter_mb=parameter_bytes(mod) / 1e6)
-            extra.append(("onnxruntime", row, measured))
-    for variant, row, (median, p90, out) in extra:
-        row.update(variant=variant, median_ms=median * 1e3, p90_ms=p90 * 1e3,
-                   max_abs_err=float(np.abs(out - ref).max()))
-        rows.append(row)
+        runner = onnxruntime_runner(onnx_model, inputs)
+        if runner is not None:
+            rows.append({k: None for k in ours} | dict(
+                model=name, chip=chip.name, variant="onnxruntime",
+                parameter_mb=parameter_bytes(mod) / 1e6))
+            runners["onnxruntime"] = runner
+    if runs:
+        say(f"{chip.name}/{name}: timing {', '.join(runners)} in {repeat} interleaved rounds")
+        timed = interleaved({k: run for k, (run, _) in runners.items()}, repeat)
+        ref = runners[rows[0]["variant"]][1]
+        for row in rows:
+            (median, p90), out = timed[row["variant"]], runners[row["variant"]][1]
+            row.update(median_ms=median * 1e3, p90_ms=p90 * 1e3,
+                       max_abs_err=float(np.abs(out - ref).max()))
     refs = {r["variant"]: r.get("median_ms") for r in rows}
     for row in rows:
         if runs:
@@ -518,7 +525,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = sgemm_peak()
     print(f"\n## Practical peak ({PEAK_LABEL}): {peak:.1f} GFLOP/s")
     print("\n## Variants (batch 1, fp32; median of "
-          f"{args.repeat} runs, one process)")
+          f"{args.repeat} interleaved rounds, one process)")
     for name in models:
         for chip_name in args.chips.split(","):
             proto = BUILTIN[name]()
