@@ -93,6 +93,12 @@ def _conv3d():
     )
 
 
+def _max_pool(x_shape, stride, layout="NCHW"):
+    """x -> 3x3 max pool with padding 1 (ResNet's, at ``stride``) in ``layout``."""
+    return function([tensor_var("x", x_shape)], lambda bb, x: R.nn.max_pool2d(
+        x, 3, stride, 1, layout=layout, out_layout=layout))
+
+
 # name -> (module, expected kind); odd widths exercise the vector tails.
 CASES = {
     "conv3x3_bias_relu": (lambda: _conv((1, 8, 10, 12), 16, 3, padding=1, act="relu"), "conv2d"),
@@ -114,6 +120,9 @@ CASES = {
     "matmul_bias": (lambda: _matmul(2, 40, 24), "matmul"),
     "conv1d": (_conv1d, "conv1d"),
     "conv3d": (_conv3d, "conv3d"),
+    "max_pool_stride2": (lambda: _max_pool((1, 8, 15, 22), 2), "reduction"),
+    "max_pool_stride1": (lambda: _max_pool((1, 8, 9, 20), 1), "reduction"),
+    "max_pool_blocked": (lambda: _max_pool((1, 2, 15, 14, 16), 2, "NCHW16c"), "reduction"),
 }
 CHIPS = ("avx512", "avx2")
 
@@ -217,6 +226,21 @@ def test_strides_and_pointwise_rows():
     assert cs.analyze(_kernel("conv1x1_tail")).pointwise
     assert not cs.analyze(_kernel("conv3x3_bias_relu")).pointwise
     assert not cs.analyze(_kernel("depthwise_clip")).shared_input
+
+
+def _allocations(func: tvm.tirx.PrimFunc) -> int:
+    return func.script().count("alloc_buffer") - func.script().count('scope="local"')
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_a_blocked_pool_reads_its_padding_through_a_predicate(chip):
+    """The blocked pool's vectors (channel blocks) are never padded: no padded or
+    de-interleaved copy, one parallel nest; NCHW pools, whose vectors run along the padded
+    width, keep their copies."""
+    blocked = cs.schedule(_kernel("max_pool_blocked"), chip)
+    assert _allocations(blocked) == 0 and blocked.script().count("T.parallel") == 1
+    assert _allocations(cs.schedule(_kernel("max_pool_stride2"), chip)) == 2  # pad, phases
+    assert _allocations(cs.schedule(_kernel("max_pool_stride1"), chip)) == 1  # pad
 
 
 def _prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
