@@ -6,8 +6,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL ?= resnet50
 PYTEST_ARGS ?=
+PROFILE_ARGS ?=
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench profile clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m tvm_bnfold.bench
+
+profile: $(STAMP)
+	$(BIN)/python -m tvm_bnfold.profile $(MODEL) $(PROFILE_ARGS)
 
 clean:
 	rm -rf $(VENV) build python/*.egg-info .pytest_cache .ruff_cache
