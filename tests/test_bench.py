@@ -10,6 +10,7 @@ from tvm_bnfold.bench import (
     NOT_RUN,
     WARMUP,
     cell,
+    fast_math_rows,
     interleaved,
     intermediate_bytes,
     kernel_count,
@@ -85,3 +86,14 @@ def test_interleaved_times_every_callable_in_each_round():
     assert all(0 <= median <= p90 for median, p90 in timed.values())
     runs = WARMUP + 1
     assert order == (["a"] * runs + ["b"] * runs) * 3  # a, b, a, b, ... not a, a, a, b, b, b
+
+
+def test_fast_math_rows_time_exact_and_fast_epilogues_side_by_side():
+    chip = chips.get(next(n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here))
+    rows = fast_math_rows(chip, repeat=1, channels=16, size=8)
+    assert [r[0] for r in rows] == ["sigmoid", "silu", "tanh"]
+    for act, exact, fast, (d_exact, d_fast), diff in rows:
+        assert exact > 0 and fast > 0 and diff < 1e-5, act
+        assert d_exact == "separate"  # libm calls spill the register tile (the check measures it)
+        if chip.name == "avx512":
+            assert d_fast == "register", act

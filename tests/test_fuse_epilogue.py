@@ -11,7 +11,7 @@ from tvm import relax
 from _util import assert_close, function, run, tensor_var
 from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, conv_schedule
 from tvm_bnfold.bench import kernel_count, layout_kernel_count
-from tvm_bnfold.fuse_epilogue import choose_schedule, fuse_graph
+from tvm_bnfold.fuse_epilogue import FAST_MATH, choose_schedule, fuse_graph
 
 R = relax.op
 
@@ -86,6 +86,47 @@ def test_every_activation_becomes_one_kernel(act):
     assert_close(run(out, *inputs), run(mod, *inputs))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("act", sorted(LIBM_ACTIVATIONS))
+def test_fast_math_puts_exp_and_tanh_epilogues_on_the_register_tile(act, residual):
+    """With 32 vector registers the polynomial exp / tanh fit beside the tile: no spills."""
+    mod, inputs = conv_act_module(ACTIVATIONS[act], residual=residual)
+    fuse = FuseEpilogue(fast_math=True)
+    with chips.target("avx512"):
+        out = fuse(mod)
+    (record,) = fuse.report
+    assert kernel_count(out) == 1
+    assert record.decision == "register" and record.spill_moves == 0, record
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+@pytest.mark.parametrize("act", sorted(LIBM_ACTIVATIONS))
+def test_fast_math_on_avx2_is_still_checked_and_correct(act):
+    """avx2's 16 registers do not hold the polynomial's constants beside a tile: the check
+    measures the spills and keeps the epilogue off the register tile."""
+    mod, inputs = conv_act_module(ACTIVATIONS[act])
+    fuse = FuseEpilogue(fast_math=True)
+    with chips.target("avx2"):
+        out = fuse(mod)
+    (record,) = fuse.report
+    assert record.decision == "separate" and record.rejected
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+def test_fast_math_sigmoid_and_tanh_match_float64_from_minus_to_plus_100():
+    x = np.linspace(-100, 100, 20001).astype("float32")
+    exact = {"relax.sigmoid": lambda v: 1 / (1 + np.exp(-v)), "relax.tanh": np.tanh}
+    assert set(FAST_MATH) == set(exact)
+    for name, ref in exact.items():
+        bb = relax.BlockBuilder()
+        xv = tensor_var("x", x.shape)
+        with bb.function("main", [xv]):
+            bb.emit_func_output(FAST_MATH[name](bb, relax.Call(tvm.ir.Op.get(name), [xv])))
+        got = run(bb.get(), x).astype("float64")
+        np.testing.assert_allclose(got, ref(x.astype("float64")), rtol=2e-6, atol=1e-7,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("chip", ["avx512", "avx2"])
 @pytest.mark.parametrize("stride", [1, 2])
 def test_residual_add_then_relu_is_one_kernel(chip, stride):
@@ -150,6 +191,23 @@ def test_oversized_register_tile_is_rejected_on_avx2_with_the_counts():
     assert need > record.budget
     assert f"{need} live vector registers > {record.budget} on avx2" in record.rejected[0]
     assert record.decision in ("register", "cache") and record.spill_moves == 0
+
+
+@pytest.mark.parametrize("fast_math", [False, True])
+def test_a_separate_epilogue_leaves_the_conv_a_full_tile(fast_math):
+    """When the epilogue cannot share the tile (libm calls, or the polynomial's constants on
+    avx2's 16 registers), the conv still gets a multi-accumulator tile that spills no more
+    than the smallest one: the epilogue's registers are not live in the conv's loop."""
+    mod, inputs = conv_act_module(ACTIVATIONS["silu"], shape=(1, 16, 16, 16), cout=32)
+    fuse = FuseEpilogue(fast_math=fast_math)
+    with chips.target("avx2"):
+        out = fuse(mod)
+    (record,) = fuse.report
+    smallest = str(conv_schedule.Tile(vec=8, rows=1, hrows=1, lanes=8))
+    assert record.decision == "separate" and record.tile.split(", block_rows")[0] != \
+        smallest.split(", block_rows")[0], record
+    assert record.registers <= record.budget
+    assert_close(run(out, *inputs), run(mod, *inputs))
 
 
 def test_folded_small_model_commits_only_spill_free_kernels():

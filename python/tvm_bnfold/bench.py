@@ -342,6 +342,47 @@ def variants(
     return result
 
 
+#: Activations whose exact form is a libm call (sigmoid, silu = x * sigmoid(x), tanh).
+LIBM_EPILOGUES = {
+    "sigmoid": lambda bb, y: relax.op.sigmoid(y),
+    "silu": lambda bb, y: relax.op.multiply(y, bb.emit(relax.op.sigmoid(y))),
+    "tanh": lambda bb, y: relax.op.tanh(y),
+}
+
+
+def conv_act(act: str, channels: int = 64, size: int = 56, seed: int = 0) -> tvm.IRModule:
+    """x (1, C, S, S) -> 3x3 conv (C -> C, padding 1) + bias -> ``act`` (of LIBM_EPILOGUES)."""
+    rng = np.random.default_rng(seed)
+    w = relax.const(rng.normal(0, 0.1, (channels, channels, 3, 3)).astype("float32"))
+    b = relax.const(rng.normal(0, 0.5, (1, channels, 1, 1)).astype("float32"))
+    x = relax.Var("x", relax.TensorType([1, channels, size, size], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(bb.emit(relax.op.nn.conv2d(x, w, padding=1)), b))
+            out = bb.emit_output(LIBM_EPILOGUES[act](bb, y))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def fast_math_rows(chip: chips.Chip, repeat: int, channels: int = 64, size: int = 56) -> list:
+    """(activation, libm median s, fast_math median s, decisions, max rel diff) of a conv with
+    each LIBM_EPILOGUES activation, FuseEpilogue exact vs ``fast_math=True``, side by side."""
+    rows = []
+    for act in LIBM_EPILOGUES:
+        mod = conv_act(act, channels, size)
+        inputs = list(random_inputs(mod).values())
+        runs, outs, decisions = {}, {}, []
+        for fast in (False, True):
+            fuse = FuseEpilogue(chip, fast_math=fast)
+            runs[fast], outs[fast] = tvm_runner(fuse(mod), inputs, chip.target)
+            decisions.append(fuse.report[0].decision)
+        times = interleaved(runs, repeat)
+        diff = np.abs(outs[True] - outs[False]).max() / np.abs(outs[False]).max()
+        rows.append((act, times[False][0], times[True][0], decisions, float(diff)))
+    return rows
+
+
 def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
     """``tuning_logs/<chip>/<model>/`` when it holds a MetaSchedule database, else None."""
     path = database_dir(chip, model=model)
@@ -540,6 +581,14 @@ def main(argv: list[str] | None = None) -> None:
             rows, _ = compare(mod, name, chips.get(chip_name), args.repeat, proto)
             print_rows(rows)
             print_peak(rows, model_flops(mod) / 1e9, peak)
+
+    print("\n## Epilogues of libm functions: 3x3 conv 64->64 on 56x56 + bias + activation, "
+          "FuseEpilogue exact vs fast_math=True")
+    for chip_name in args.chips.split(","):
+        for act, exact, fast, (d_exact, d_fast), diff in fast_math_rows(
+                chips.get(chip_name), args.repeat):
+            print(f"{chip_name:<8} {act:<8} exact {exact * 1e3:7.3f} ms ({d_exact}), fast_math "
+                  f"{fast * 1e3:7.3f} ms ({d_fast}): {exact / fast:.2f}x, max rel diff {diff:.1e}")
 
 
 if __name__ == "__main__":

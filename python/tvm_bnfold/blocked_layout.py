@@ -52,8 +52,9 @@ DEPTHWISE_BLOCK = "depthwise_conv2d_NCHWc"
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
-def to_blocked(mod: tvm.IRModule, block: int) -> tvm.IRModule:
-    """``mod`` with its conv2ds in ``NCHW{block}c`` and legalized (every op a ``call_tir``)."""
+def to_blocked(mod: tvm.IRModule, block: int, legalize: dict | None = None) -> tvm.IRModule:
+    """``mod`` with its conv2ds in ``NCHW{block}c`` and legalized (every op a ``call_tir``;
+    ``legalize``: op name -> legalization for the other ops, over TVM's own)."""
     if block < 2:
         raise BNFoldError(f"to_blocked: the channel block must be >= 2, got {block}")
     return tvm.transform.Sequential([
@@ -69,7 +70,7 @@ def to_blocked(mod: tvm.IRModule, block: int) -> tvm.IRModule:
         relax.transform.FoldConstant(),
         _BlockStems(block),
         # Step 4. Legalize, blocked convs with our compute; pack the weights once.
-        relax.transform.LegalizeOps({"relax.nn.conv2d": _legalize_conv2d}),
+        relax.transform.LegalizeOps({**(legalize or {}), "relax.nn.conv2d": _legalize_conv2d}),
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
     ])(mod)
