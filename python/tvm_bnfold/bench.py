@@ -549,12 +549,13 @@ def print_peak(rows: list[dict], model_gflop: float, peak: float, file=None) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(BUILTIN))
+    parser.add_argument("--models", default=",".join(BUILTIN),
+                        help="comma-separated built-in models ('': the epilogue section only)")
     parser.add_argument("--chips", default=",".join(
         n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here), help="chips that run here")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args(argv)
-    models = args.models.split(",")
+    models = [m for m in args.models.split(",") if m]
     use_all_cores()
 
     print("## FoldBN")
