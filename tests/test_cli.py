@@ -122,6 +122,33 @@ def test_compile_writes_a_library_that_loads_and_runs(tiny, tmp_path, capsys):
     assert_close(out, bench.run_once(mod, inputs))
 
 
+def _conv_sigmoid(path: Path) -> str:
+    """data (1, 3, 8, 8) -> Conv (8 filters) -> Sigmoid, saved to ``path``."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(
+        np.random.default_rng(0).normal(0, 0.5, (8, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["data", "w"], ["c"], pads=[1] * 4),
+         helper.make_node("Sigmoid", ["c"], ["out"])], "conv_sigmoid",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 8, 8, 8])], initializer=[w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), path)
+    return str(path)
+
+
+def test_compile_with_fast_math_stays_within_the_tolerance(tmp_path, capsys):
+    model, so = _conv_sigmoid(tmp_path / "cs.onnx"), tmp_path / "cs.so"
+    chip = next(n for n in ("avx512", "avx2") if tvm_bnfold.chips.PRESETS[n].runs_here)
+    assert cli.main(["compile", model, "--chip", chip, "-o", str(so), "--fast-math"]) == 0
+    assert "fast math" in capsys.readouterr().out
+    mod = load_onnx(model)
+    inputs = list(random_inputs(mod).values())
+    vm = relax.VirtualMachine(tvm.runtime.load_module(str(so)), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(x) for x in inputs]).numpy()
+    assert_close(out, bench.run_once(mod, inputs))
+
+
 def test_compile_for_aarch64_cross_compiles_or_names_the_missing_compiler(tiny, tmp_path, capsys):
     so = tmp_path / "arm.so"
     code = cli.main(["compile", tiny, "--chip", "aarch64", "-o", str(so)])

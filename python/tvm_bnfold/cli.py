@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", metavar="MODEL", help=model_help)
     p.add_argument("--chip", required=True, help=chip_help)
     p.add_argument("-o", "--output", required=True, help="the shared library to write (.so)")
+    p.add_argument("--fast-math", action="store_true",
+                   help="sigmoid/silu/tanh epilogues as polynomials (FuseEpilogue fast_math)")
 
     p = sub.add_parser("tune", help="tune MODEL's kernels for a chip with MetaSchedule",
                        description="Tune MODEL after FoldBN + FuseEpilogue with MetaSchedule "
@@ -180,10 +182,10 @@ def _fold(args) -> None:
     print(f"{args.model}: {_fold_summary(fold)} ({seconds:.2f} s)")
 
 
-def _fold_fuse(model: str, chip: chips.Chip) -> tvm.IRModule:
+def _fold_fuse(model: str, chip: chips.Chip, fast_math: bool = False) -> tvm.IRModule:
     mod = load_onnx(get_model(model))
     with chip.target:
-        return FuseEpilogue(chip)(FoldBN()(mod))
+        return FuseEpilogue(chip, fast_math=fast_math)(FoldBN()(mod))
 
 
 def _compile(args) -> None:
@@ -191,7 +193,7 @@ def _compile(args) -> None:
     output = Path(args.output)
     if not output.parent.is_dir():
         raise BNFoldError(f"output directory does not exist: {output.parent}")
-    mod = _fold_fuse(args.model, chip)
+    mod = _fold_fuse(args.model, chip, args.fast_math)
     name = report.model_name(args.model)
     ex = bench.build_tuned(mod, chip, name)
     tuned = ex is not None
@@ -207,8 +209,9 @@ def _compile(args) -> None:
     schedules = f"tuned schedules from {bench.tuning_dir(chip, name)}" if tuned else \
         "default schedules (no tuning database)"
     elsewhere = "" if chip.runs_here else f"; {chip.name} code does not run on this machine"
+    fast = ", fast math" if args.fast_math else ""
     print(f"wrote {output} ({chip.name}, {bench.kernel_count(mod)} kernels, {schedules}"
-          f"{elsewhere})")
+          f"{fast}{elsewhere})")
 
 
 def _cross_compile(chip: chips.Chip) -> dict:
