@@ -224,18 +224,31 @@ def tvm_runner(mod, inputs: list[np.ndarray], target) -> tuple[Callable[[], obje
     return (lambda: vm["main"](*args)), vm["main"](*args).numpy()
 
 
-def onnxruntime_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
-    """ONNX Runtime with all graph optimizations and one intra-op thread per core: a callable
-    that runs it and its output, or None when onnxruntime is not installed."""
+def onnxruntime_session(model: onnx.ModelProto, threads: int | None = None,
+                        profile_prefix: str | None = None):
+    """An ONNX Runtime CPU session with all graph optimizations and ``threads`` intra-op
+    threads (None: one per core), profiling to ``profile_prefix`` when given; None when
+    onnxruntime is not installed."""
     try:
         import onnxruntime as ort
     except ImportError:
         return None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = os.cpu_count() or 1
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
+    options.intra_op_num_threads = threads or os.cpu_count() or 1
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return ort.InferenceSession(model.SerializeToString(), options,
+                                providers=["CPUExecutionProvider"])
+
+
+def onnxruntime_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
+    """ONNX Runtime (:func:`onnxruntime_session`, one thread per core): a callable that runs
+    it and its output, or None when onnxruntime is not installed."""
+    session = onnxruntime_session(model)
+    if session is None:
+        return None
     feed = {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
     return (lambda: session.run(None, feed)), session.run(None, feed)[0]
 

@@ -221,17 +221,16 @@ def choose_schedule(
     smallest = candidates[-1]
     fitting = [t for t in candidates
                if conv_schedule.live_vector_registers(conv_only, t, chip) <= budget]
-    floor = _separate(func, smallest, chip, measure)
-    tile, scheduled, spills = smallest, *floor
+    tile, (scheduled, spills) = smallest, _separate(func, smallest, chip, measure)
     for candidate in fitting:
         if candidate == smallest:
             break
         tried, tried_spills = _separate(func, candidate, chip, measure)
-        if not measure or tried_spills <= floor[1]:
+        if not measure or tried_spills <= spills:
             tile, scheduled, spills = candidate, tried, tried_spills
             break
         rejected.append(f"tile {candidate} (separate): {tried_spills} spill moves > the "
-                        f"{floor[1]} of tile {smallest}")
+                        f"{spills} of tile {smallest}")
     return scheduled, FusionRecord(
         "", chip.name, _ops(anchor), "separate", tile=str(tile),
         registers=conv_schedule.live_vector_registers(conv_only, tile, chip), budget=budget,

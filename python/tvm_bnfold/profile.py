@@ -24,6 +24,7 @@ import tvm
 from tvm import relax
 
 from . import chips
+from .bench import onnxruntime_session
 from .errors import BNFoldError
 from .fold_bn import FoldBN
 from .fuse_epilogue import FuseEpilogue
@@ -96,18 +97,10 @@ def tvm_layers(mod: tvm.IRModule, ex, inputs: list[np.ndarray], runs: int = 10) 
 def ort_layers(model: onnx.ModelProto, inputs: list[np.ndarray], threads: int,
                runs: int = 10) -> dict:
     """Layer key -> mean ms per inference of ONNX Runtime's nodes (its profiler)."""
-    try:
-        import onnxruntime as ort
-    except ImportError as err:
-        raise BNFoldError("profile compares with ONNX Runtime: pip install onnxruntime") from err
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads
     with tempfile.TemporaryDirectory() as tmp:
-        options.enable_profiling = True
-        options.profile_file_prefix = str(Path(tmp) / "ort")
-        session = ort.InferenceSession(model.SerializeToString(), options,
-                                       providers=["CPUExecutionProvider"])
+        session = onnxruntime_session(model, threads, profile_prefix=str(Path(tmp) / "ort"))
+        if session is None:
+            raise BNFoldError("profile compares with ONNX Runtime: pip install onnxruntime")
         feed = {i.name: x for i, x in zip(session.get_inputs(), inputs, strict=True)}
         for _ in range(runs):
             session.run(None, feed)
