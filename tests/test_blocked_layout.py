@@ -418,6 +418,24 @@ def test_blocked_tiles_fit_the_budget_and_an_oversized_one_is_rejected():
     assert record.decision == "register" and record.spill_moves == 0
 
 
+def test_avx2_keeps_the_best_blocked_3x3_tile_without_spills():
+    """16 registers: the kernel columns stay a loop (unrolled, LLVM kept the broadcasts they
+    share live and the 8-accumulator tile spilled 6-14 moves, so the check fell back to a
+    4-accumulator tile running at 0.6x)."""
+    avx2 = chips.get("avx2")
+    mod, _ = conv_module(8 * 8, 8 * 8, hw=28)
+    with avx2.target:
+        graph = fuse_graph(mod, avx2.lanes())
+    (func,) = [f for g, f in graph.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc) and CONV_BLOCK in g.name_hint]
+    anchor = conv_schedule.analyze(func)
+    best = conv_schedule.candidate_tiles(anchor, avx2)[0]
+    assert best.accumulators == 8
+    _, record = choose_schedule(func, anchor, avx2)
+    assert record.tile == str(best) and not record.rejected, record
+    assert record.decision == "register" and record.spill_moves == 0
+
+
 @pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
 def test_every_epilogue_level_of_a_blocked_conv_is_exact(epilogue):
     mod, inputs = conv_module(2 * B, 2 * B, hw=10, residual=True)
