@@ -55,7 +55,7 @@ def conv_module(cin, cout, hw=9, k=3, stride=1, pad=1, dilation=1, groups=1, act
 
 
 def fused(mod, chip=CHIP, **kwargs):
-    fuse = FuseEpilogue(chip, **{"blocked": True, **kwargs})  # avx2 defaults to NCHW
+    fuse = FuseEpilogue(chip, **{"blocked": True, **kwargs})
     with chip.target:
         return fuse(mod), fuse.report
 

@@ -161,9 +161,9 @@ def _run_tuple(mod, x):
     return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
 
 
-@pytest.mark.parametrize(("chip", "blocked"), [("avx512", True), ("avx2", False),
+@pytest.mark.parametrize(("chip", "blocked"), [("avx512", True), ("avx2", True),
                                                ("aarch64", True), ("cuda-sm80", False)])
-def test_the_blocked_layout_is_the_default_where_32_vector_registers_hold_it(chip, blocked):
+def test_the_blocked_layout_is_the_default_on_cpu_chips(chip, blocked):
     mod, _ = conv_act_module(ACTIVATIONS["relu"], shape=(1, 16, 8, 8), cout=32)
     out, _ = _fuse(mod, chip)
     names = [g.name_hint for g, f in out.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]

@@ -102,13 +102,13 @@ def test_report_latency_only_where_the_chip_runs(tiny_report):
         "median ms", "kernels", "BNs left", "of which layout"))
     err, regs = columns.index("max abs err"), columns.index("max regs")
     here = _rows(md, "avx2")
-    # No 'NCHW' row: ours is NCHW on avx2 already.
     assert set(here) == {"unfused (each op its own kernel)", "stock TVM fusion", "FoldBN only",
+                         "FoldBN+FuseEpilogue, NCHW (no blocked layout)",
                          "FoldBN+FuseEpilogue (default schedule)", "ONNX Runtime"}
     ours = here["FoldBN+FuseEpilogue (default schedule)"]
     float(ours[median])
     assert float(ours[err]) < 1e-4
-    assert (ours[kernels], ours[layout], ours[bns]) == ("5", "0", "0")
+    assert (ours[kernels], ours[layout], ours[bns]) == ("6", "1", "0")  # blocked by 8
     assert here["unfused (each op its own kernel)"][kernels] == "11"
     for chip in ("aarch64", "cuda-sm80"):
         rows = _rows(md, chip)
@@ -129,9 +129,10 @@ def test_report_latency_only_where_the_chip_runs(tiny_report):
 
 def test_report_shows_progress_per_chip_model_variant(tiny_report):
     _, messages = tiny_report
-    for variant in ("unfused", "stock", "foldbn", "ours"):
+    for variant in ("unfused", "stock", "foldbn", "nchw", "ours"):
         assert f"avx2/tiny/{variant}: compiling" in messages
-    assert any(m.startswith("avx2/tiny: timing unfused, stock, foldbn, ours") for m in messages)
+    assert any(m.startswith("avx2/tiny: timing unfused, stock, foldbn, nchw, ours")
+               for m in messages)
     assert any(m.startswith("aarch64/tiny:") for m in messages)
     assert any(m.startswith("cuda-sm80/tiny:") for m in messages)
 
