@@ -80,8 +80,8 @@ class FuseEpilogue:
     ``target``: chip name, Chip or tvm Target; None takes the target of the context.
     ``measure``: compile each candidate and count spills (False: the static check only).
     ``blocked``: put the conv2ds in the blocked channel layout first (:mod:`blocked_layout`;
-    False keeps NCHW). None: on every CPU chip (measured faster than NCHW on avx512 and on
-    avx2: ResNet-50 45.6 vs 47.4 ms, MobileNetV2 6.56 vs 7.28 ms, interleaved).
+    False keeps NCHW). None: on every CPU chip (measured against NCHW side by side: faster on
+    avx512; on avx2 0.93-1.06x the time on ResNet-50, MobileNetV2 1.07-1.20x faster).
     ``fast_math``: sigmoid (so silu) and tanh as TVM's polynomial approximations
     (:data:`FAST_MATH`): vector code that can run on the register tile, where libm's scalar
     calls spill it. Measured over [-100, 100]: sigmoid within 9e-8 absolute (6e-7 relative
