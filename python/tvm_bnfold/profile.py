@@ -133,15 +133,15 @@ def compare(model: onnx.ModelProto, chip, threads: int, runs: int = 10,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help=f"an ONNX file or a built-in model ({', '.join(BUILTIN)})")
-    parser.add_argument("--chip", default=next(
-        (n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here), "avx2"))
+    parser.add_argument("--chip", help="a chip that runs here (default: the host's widest)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--runs", type=int, default=10)
     args = parser.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts
     name = args.model if args.model in BUILTIN else None
-    rows = compare(get_model(args.model), args.chip, args.threads, args.runs, name)
-    print(f"{args.model} on {args.chip}, {args.threads} thread(s), mean ms per inference "
+    chip = chips.get(args.chip) if args.chip else chips.host_chip()
+    rows = compare(get_model(args.model), chip, args.threads, args.runs, name)
+    print(f"{args.model} on {chip.name}, {args.threads} thread(s), mean ms per inference "
           f"over {args.runs} runs; conv layers keyed (in channels, in height, out channels, k)")
     print(f"{'layer':<36} {'ours':>8} {'ORT':>8} {'ours-ORT':>9}")
     for key, a, b in rows:
