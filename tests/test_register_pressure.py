@@ -143,6 +143,32 @@ main_compute_:
     assert rp.vector_registers_used(asm) == 2  # zmm5, zmm9 (xmm0/ymm0 only in wrappers)
 
 
+def _loop_nest(before: str, tile_loop: str, fma_loop: str) -> str:
+    return (f"\t.type\tk_compute_,@function\nk_compute_:\n{before}.LBB4_5:\n{tile_loop}"
+            f".LBB4_6:\n{fma_loop}\tvfmadd231ps\t%ymm1, %ymm0, %ymm4\n\tjne\t.LBB4_6\n"
+            f"\tvmovaps\t%ymm4, (%r8)\n\tjne\t.LBB4_5\n")
+
+
+def test_a_hoisted_loop_invariant_on_the_stack_is_not_a_spill():
+    """A slot stored before a loop and only reloaded inside it (LLVM hoisted the tile loop's
+    bias vectors) costs a load per use, as the unhoisted code would: not counted. A slot
+    stored and reloaded in the same loop is (around a call, under register pressure)."""
+    store, load = "\tvmovups\t%ymm0, 144(%rsp)\n", "\tvmovups\t144(%rsp), %ymm2\n"
+    assert rp.count_vector_spills(_loop_nest(store, load, "")) == 0
+    assert rp.count_vector_spills(_loop_nest(store, "", load)) == 0
+    assert rp.count_vector_spills(_loop_nest("", store, load)) == 0  # per tile, read per step
+    assert rp.count_vector_spills(_loop_nest("", store + load, "")) == 2
+    assert rp.count_vector_spills(_loop_nest("", "", store + load)) == 2
+    assert rp.count_vector_spills(_loop_nest(store, "", store + load)) == 3
+    # AArch64 likewise (a store st*, a load ld*, the slot its [sp...] operand).
+    a64 = "\tstr\tq1, [sp, #16]\n", "\tldr\tq2, [sp, #16]\n"
+    nest = _loop_nest(a64[0], a64[1], "").replace("jne\t", "b.ne\t").replace(
+        "vfmadd231ps\t%ymm1, %ymm0, %ymm4", "fmla\tv4.4s, v1.4s, v0.s[0]").replace(
+        "vmovaps\t%ymm4, (%r8)", "str\tq4, [x8]")
+    assert rp.count_vector_spills(nest) == 0
+    assert rp.count_vector_spills(nest.replace("[sp, #16]\n.LBB4_5", "[sp, #32]\n.LBB4_5")) == 2
+
+
 def test_rbp_is_a_stack_slot_only_in_functions_with_a_frame_pointer():
     """Without ``movq %rsp, %rbp`` LLVM uses rbp as an ordinary pointer register."""
     body = "\tvmovups\t%ymm1, (%rbp,%rbx,4)\n\tvmovups\t-32(%rbp), %ymm2\n"

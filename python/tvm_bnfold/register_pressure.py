@@ -111,6 +111,7 @@ def estimate_live_vregs(accumulators: int, epilogue_operands: int, temporaries: 
 _FUNC_DECL = re.compile(r"^\s*\.type\s+([\w.$]+)\s*,\s*[@%]function")
 _LABEL = re.compile(r"^([\w.$]+):")
 _X86_HINT = re.compile(r"%(?:[xyz]mm\d|r[sb]p\b|[re]ax\b)")
+_BRANCH = re.compile(r"^\s*\S+\s+(?:.*,\s*)?(\.L[\w.$]+)\s*$")  # jne .LBB3_2, cbnz w8, .LBB3_2
 
 # x86 AT&T: a (v)mov* with a vector register operand and a %rsp/%rbp-based memory operand.
 _X86_MOVE = re.compile(r"^\s*v?mov\w*\s")
@@ -127,8 +128,9 @@ _A64_STACK = re.compile(r"\[\s*(?:sp|x29|fp)\b")
 _A64_CALLEE_SAVED_D = range(8, 16)  # AAPCS64: the low halves of v8-v15 are callee-saved
 
 
-def _kernel_lines(asm: str) -> Iterator[tuple[str | None, str]]:
-    """Instruction lines of the kernels in ``asm``, each with its function (None in a snippet).
+def _kernel_lines(asm: str, labels: bool = False) -> Iterator[tuple[str | None, str]]:
+    """Instruction lines of the kernels in ``asm``, each with its function (None in a snippet);
+    with ``labels``, their local labels (``.LBB3_2:``) too.
 
     TVM's own helpers are skipped: the FFI wrappers (``__tvm_ffi_*``), their error paths
     (``__tvm_set_raised_*``), which marshal arguments on the stack, and compiler-rt routines
@@ -147,9 +149,31 @@ def _kernel_lines(asm: str) -> Iterator[tuple[str | None, str]]:
         if skipping:
             continue
         stripped = line.strip()
+        if labels and _LABEL.match(stripped):
+            yield function, stripped
+            continue
         if not stripped or stripped.startswith((".", "#", "//", ";")) or _LABEL.match(stripped):
             continue
         yield function, line
+
+
+def _loop_depths(lines: list[tuple[str | None, str]]) -> list[int]:
+    """The loop depth of each line of :func:`_kernel_lines` (with labels): the number of loops
+    around it, a loop being the lines from a label to the last branch back to it."""
+    depth = [0] * len(lines)
+    seen: dict[tuple[str | None, str], int] = {}
+    last_back: dict[int, int] = {}
+    for i, (function, line) in enumerate(lines):
+        if label := _LABEL.match(line):
+            seen[(function, label.group(1))] = i
+        elif target := _BRANCH.search(line.split("#", 1)[0].split("//", 1)[0]):
+            start = seen.get((function, target.group(1)))
+            if start is not None:
+                last_back[start] = i
+    for start, end in last_back.items():
+        for i in range(start, end + 1):
+            depth[i] += 1
+    return depth
 
 
 def _is_x86(asm: str) -> bool:
@@ -176,12 +200,17 @@ def count_vector_spills(asm: str) -> int:
     callee-saved ``d8``-``d15``. Register-register moves and loads from other addresses do not
     count. Reloads that LLVM folds into an arithmetic instruction are not counted (a spill
     always has at least one store, so ``> 0`` is unaffected). TVM's FFI wrappers are skipped.
+
+    A slot stored only outside the loops that reload it holds a loop invariant LLVM hoisted
+    (the bias vectors of a tile loop): each use reloads it, as the unhoisted code would load
+    it from its buffer, so its moves do not count.
     """
     x86 = _is_x86(asm)
-    lines = list(_kernel_lines(asm))
+    lines = list(_kernel_lines(asm, labels=True))
+    depths = _loop_depths(lines)
     framed = {None} | {f for f, line in lines if _X86_SETS_FRAME.match(line)}
-    count = 0
-    for function, line in lines:
+    slots: dict[tuple, list[tuple[bool, int]]] = {}  # (function, slot) -> (is_store, depth)
+    for (function, line), depth in zip(lines, depths, strict=True):
         if x86:
             if not _X86_MOVE.match(line):
                 continue
@@ -189,7 +218,8 @@ def count_vector_spills(asm: str) -> int:
             slot = _X86_STACK.search(operands) or (
                 function in framed and _X86_FRAME.search(operands))
             if slot and _X86_VREG.search(operands):
-                count += 1
+                store = operands.rstrip().endswith(slot.group(0))
+                slots.setdefault((function, slot.group(0)), []).append((store, depth))
             continue
         if not _A64_MOVE.match(line):
             continue
@@ -201,7 +231,15 @@ def count_vector_spills(asm: str) -> int:
             continue
         if all(kind == "d" and int(n) in _A64_CALLEE_SAVED_D for kind, n in regs):
             continue  # frame setup: saving / restoring callee-saved d8-d15
-        count += 1
+        store = line.strip().startswith("st")
+        slot = operands[operands.index("["):]
+        slots.setdefault((function, slot), []).append((store, depth))
+    count = 0
+    for moves in slots.values():
+        stores = [depth for store, depth in moves if store]
+        loads = [depth for store, depth in moves if not store]
+        if not (stores and loads and max(stores) < min(loads)):
+            count += len(moves)
     return count
 
 
