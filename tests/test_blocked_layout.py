@@ -409,7 +409,8 @@ def test_blocked_tiles_fit_the_budget_and_an_oversized_one_is_rejected():
     func, anchor = _blocked_kernel()
     assert anchor.blocked and (anchor.rows_axis, anchor.hrow_axis, anchor.vec_axis) == (3, 1, 4)
     tiles = conv_schedule.candidate_tiles(anchor, CHIP)
-    budget = CHIP.vector_regs - 2
+    budget = conv_schedule.register_budget(anchor, CHIP)
+    assert budget == CHIP.vector_regs  # a blocked tile's estimate counts every register
     assert all(conv_schedule.live_vector_registers(anchor, t, CHIP) <= budget for t in tiles)
     huge = conv_schedule.Tile(vec=B, rows=14, hrows=4, lanes=B, block_rows=14)
     _, record = choose_schedule(func, anchor, CHIP, tiles=[huge, *tiles])
@@ -418,22 +419,52 @@ def test_blocked_tiles_fit_the_budget_and_an_oversized_one_is_rejected():
     assert record.decision == "register" and record.spill_moves == 0
 
 
-def test_avx2_keeps_the_best_blocked_3x3_tile_without_spills():
-    """16 registers: the kernel columns stay a loop (unrolled, LLVM kept the broadcasts they
-    share live and the 8-accumulator tile spilled 6-14 moves, so the check fell back to a
-    4-accumulator tile running at 0.6x)."""
+@pytest.mark.parametrize("k", [3, 1])
+def test_avx2_keeps_the_best_blocked_tile_without_spills(k):
+    """16 registers: the best tile holds 12 accumulators, whose columns (3 or 6) do not divide
+    28, so a tail tile is split off (divisors of 28 allow 8 at most: 2x4 ran 1.1-1.5x slower);
+    all 16 registers are live and nothing spills in its loops. The kernel columns of a 3x3
+    conv stay a loop (unrolled, LLVM kept the broadcasts they share live and spilled)."""
     avx2 = chips.get("avx2")
-    mod, _ = conv_module(8 * 8, 8 * 8, hw=28)
+    mod, _ = conv_module(8 * 8, 8 * 8, hw=28, k=k, pad=k // 2, residual=True)
     with avx2.target:
         graph = fuse_graph(mod, avx2.lanes())
     (func,) = [f for g, f in graph.functions.items()
                if isinstance(f, tvm.tirx.PrimFunc) and CONV_BLOCK in g.name_hint]
     anchor = conv_schedule.analyze(func)
     best = conv_schedule.candidate_tiles(anchor, avx2)[0]
-    assert best.accumulators == 8
+    assert best.accumulators == 12 and 28 % best.rows
     _, record = choose_schedule(func, anchor, avx2)
     assert record.tile == str(best) and not record.rejected, record
     assert record.decision == "register" and record.spill_moves == 0
+    assert record.registers <= record.budget == avx2.vector_regs
+
+
+def test_a_32_register_chip_keeps_tiles_that_divide_the_columns():
+    avx512 = chips.get("avx512")
+    mod, _ = conv_module(4 * 16, 4 * 16, hw=28)
+    with avx512.target:
+        graph = fuse_graph(mod, avx512.lanes())
+    (func,) = [f for g, f in graph.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc) and CONV_BLOCK in g.name_hint]
+    anchor = conv_schedule.analyze(func)
+    assert all(28 % t.rows == 0 for t in conv_schedule.candidate_tiles(anchor, avx512))
+
+
+@pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
+@pytest.mark.parametrize("shape", [(3, 2), (4, 1), (7, 2)])
+def test_a_tail_tile_is_exact(epilogue, shape):
+    """Column tiles that leave a tail of 1, 2 or 3 columns (10 = 3 * 3 + 1 = 4 * 2 + 2 =
+    7 + 3), at every epilogue level."""
+    mod, inputs = conv_module(2 * B, 2 * B, hw=10, residual=True)
+    with CHIP.target:
+        graph = fuse_graph(mod, B)
+    graph = graph.clone()
+    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
+    func = graph[gvar]
+    tile = conv_schedule.Tile(vec=B, rows=shape[0], hrows=shape[1], lanes=B, block_rows=shape[0])
+    graph.update_func(gvar, conv_schedule.schedule(func, CHIP, tile, epilogue))
+    assert_close(run(graph, *inputs), run(mod, *inputs))
 
 
 @pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
@@ -453,15 +484,19 @@ def test_every_epilogue_level_of_a_blocked_conv_is_exact(epilogue):
 def test_design_spaces_sample_the_tile_and_stay_exact():
     func, anchor = _blocked_kernel(hw=8)
     spaces = conv_schedule.design_spaces(s_tir.Schedule(func), CHIP)
-    assert len(spaces) == 2  # epilogue on the register tile, on the stored tile
+    sampled = [s for s in spaces if conv_schedule.sampled_tile(s, anchor, CHIP) is not None]
+    assert len(sampled) == 2  # epilogue on the register tile, on the stored tile
+    # The rest: one fixed schedule per candidate tile with a tail (16-register chips) and level.
+    tails = [t for t in conv_schedule.candidate_tiles(anchor, CHIP) if anchor.spatial[3] % t.rows]
+    assert len(spaces) == 2 * (1 + len(tails))
     x = np.random.default_rng(7).normal(size=[int(d) for d in func.params[0].ty.shape])
     args = [x.astype("float32")] + [
         np.random.default_rng(i).normal(size=[int(d) for d in p.ty.shape]).astype("float32")
         for i, p in enumerate(func.params[1:-1])]
     reference = _run_prim(func, args)
+    for space in sampled:
+        assert anchor.spatial[3] % conv_schedule.sampled_tile(space, anchor, CHIP).rows == 0
     for space in spaces:
-        tile = conv_schedule.sampled_tile(space, anchor, CHIP)
-        assert tile is not None and anchor.spatial[3] % tile.rows == 0
         assert_close(_run_prim(space.mod["main"], args), reference)
     unblocked_mod, _ = conv_module(B, B, hw=6, k=1, pad=0)
     (nchw,) = [f for f in fuse_graph(unblocked_mod).functions.values()

@@ -103,13 +103,15 @@ def test_fast_math_puts_exp_and_tanh_epilogues_on_the_register_tile(act, residua
 @pytest.mark.parametrize("act", sorted(LIBM_ACTIVATIONS))
 def test_fast_math_on_avx2_is_still_checked_and_correct(act):
     """avx2's 16 registers do not hold the polynomial's constants beside a tile: the check
-    measures the spills and keeps the epilogue off the register tile."""
+    keeps the epilogue off the register tile (on the stored tile or in its own loop), and does
+    not shrink the tile to a few accumulators to fit it there."""
     mod, inputs = conv_act_module(ACTIVATIONS[act])
     fuse = FuseEpilogue(fast_math=True)
     with chips.target("avx2"):
         out = fuse(mod)
     (record,) = fuse.report
-    assert record.decision == "separate" and record.rejected
+    assert record.decision in ("cache", "separate") and record.rejected, record
+    assert "rows=1, hrows=1," not in record.tile
     assert_close(run(out, *inputs), run(mod, *inputs))
 
 

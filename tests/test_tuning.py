@@ -236,7 +236,7 @@ def test_register_budget_uses_the_static_estimate_in_the_blocked_space():
     assert anchor.blocked
 
     def sampled(blocks, cols):
-        (space, _) = conv_schedule.design_spaces(s_tir.Schedule(ctx.mod), CHIP)
+        space = conv_schedule.design_spaces(s_tir.Schedule(ctx.mod), CHIP)[0]
         trace = space.trace
         insts = [i for i in trace.insts if i.kind.name == "SamplePerfectTile"]
         decided = trace.with_decision(insts[0], [4 // blocks, blocks], True)

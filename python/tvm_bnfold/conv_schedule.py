@@ -122,6 +122,7 @@ class _Knobs:
 
     lanes: int
     vector_regs: int  # the register-pressure check's static budget for a tile
+    register_file: int  # vector registers of the chip (a blocked tile's budget)
     cores: int
     max_vectors: int = 4  # vectors per tile row
     max_hrows: int = 4  # more output rows per tile: LLVM hoists their loads and spills
@@ -136,6 +137,10 @@ class _Knobs:
     # Blocked dense convs: unroll the kernel columns. With 16 registers LLVM then keeps the
     # input broadcasts the columns share live and spills (avx2 2x4 tile: 14 moves, 0 rolled).
     unroll_taps: bool = True
+    # Blocked dense convs: column tiles that leave a tail. With 16 registers the tiles that
+    # divide ResNet's 56/28/14/7 columns hold 8 accumulators at most (12 = 3 x 4 needs a
+    # factor 3); avx2's 3x4 tiles with a tail ran its convs 1.1-1.5x faster than 2x4 alone.
+    tail_tiles: bool = False
 
     @staticmethod
     def of(chip: chips.Chip, dtype: str) -> _Knobs:
@@ -143,9 +148,10 @@ class _Knobs:
             raise BNFoldError(f"conv_schedule is a CPU schedule; chip {chip.name!r} is {chip.kind}")
         cores = int(chip.target_config.get("num-cores", 1))
         budget = register_pressure.static_budget(chip, dtype)
-        return _Knobs(lanes=chip.lanes(dtype), vector_regs=budget, cores=cores,
-                      target_accumulators=min(16, chip.vector_regs // 2),
-                      unroll_taps=chip.vector_regs >= 32)
+        return _Knobs(lanes=chip.lanes(dtype), vector_regs=budget,
+                      register_file=chip.vector_regs, cores=cores,
+                      target_accumulators=min(16, chip.vector_regs * 3 // 4),
+                      unroll_taps=chip.vector_regs >= 32, tail_tiles=chip.vector_regs < 32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -448,23 +454,42 @@ def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
     return [_with_block_rows(anchor, t, knobs) for t in out]
 
 
-def live_vector_registers(anchor: Anchor, tile: Tile, chip) -> int:
+def live_vector_registers(anchor: Anchor, tile: Tile, chip, broadcasts_live: bool = False) -> int:
     """Static estimate of the vector registers the fused kernel keeps live: the accumulator
     tile, the epilogue's operands (bias, residual) and constants (0 of relu, 0 and 6 of clip),
-    and the temporaries of one reduction step (input vectors or weight broadcasts)."""
+    and the temporaries of one reduction step (input vectors or weight broadcasts).
+
+    A blocked conv counts its two phases apart, each with every register it holds (checked
+    against the whole register file, see :func:`register_budget`): the reduction (the
+    accumulators, the broadcasts of the tile's columns or the weight vectors of its blocks,
+    whichever are fewer, as the loop order keeps them, and one streaming operand) and the
+    epilogue (the accumulators, its operands and constants, and the value being computed).
+    ``broadcasts_live``: the loop order keeps every column's broadcast live (the order of
+    :func:`design_spaces`, whose tile is sampled)."""
     del chip  # the tile carries the chip's lanes
-    if anchor.blocked and not anchor.shared_input:
-        # Blocked depthwise: a weight vector per block (reused across the columns), the input
-        # vector streaming through, one spare.
-        temporaries = tile.hrows + 2
-        return tile.accumulators + temporaries + anchor.epilogue_operands + \
-            anchor.epilogue_constants
+    if anchor.blocked:
+        # Depthwise: a weight vector per block (reused across the columns), the input vector
+        # streaming through, one spare.
+        fewer = tile.rows if broadcasts_live else min(tile.rows, tile.hrows)
+        shared = fewer + 1 if anchor.shared_input else tile.hrows + 2
+        epilogue = anchor.epilogue_operands + anchor.epilogue_constants + 1
+        return tile.accumulators + max(shared, epilogue)
     # Shared inputs: either the step's input vectors stay live while the weight broadcasts
     # stream, or the broadcasts stay live while the inputs stream (LLVM picks the cheaper one).
     # Depthwise: a broadcast per channel row (reused across its vectors), the input, one spare.
     shared = min(tile.rows, tile.hrows * tile.vectors) + 1
     temporaries = shared if anchor.shared_input else tile.rows + 2
     return tile.accumulators + temporaries + anchor.epilogue_operands + anchor.epilogue_constants
+
+
+def register_budget(anchor: Anchor, chip) -> int:
+    """The budget :func:`live_vector_registers` of ``anchor`` is checked against: a blocked
+    conv's estimate counts every register it holds, so the whole vector register file; any
+    other tile's leaves ``register_pressure.CPU_RESERVE`` registers free."""
+    chip = chips.get(chip)
+    if anchor.blocked:
+        return chip.vector_regs
+    return register_pressure.static_budget(chip, anchor.dtype)
 
 
 def _odd_tail(width: int, tile: Tile) -> bool:
@@ -504,22 +529,28 @@ def _score(anchor: Anchor, tile: Tile, knobs: _Knobs) -> float:
 
 def _blocked_tiles(anchor: Anchor, knobs: _Knobs) -> list[Tile]:
     """Tiles of a blocked conv: ``rows`` output columns x ``hrows`` channel blocks, one vector
-    each. Best first: the highest modelled FMA efficiency, then the accumulator count nearest
-    ``knobs.target_accumulators`` (enough independent FMAs to cover the latency, measured
-    fastest here), then more blocks per broadcast; then every smaller tile in that order."""
+    each; ``rows`` divides the columns, or with ``knobs.tail_tiles`` (dense convs) leaves a
+    narrower tail tile. Best first: the highest modelled FMA efficiency, then the accumulator
+    count nearest ``knobs.target_accumulators`` (enough independent FMAs to cover the latency,
+    measured fastest here), then no tail, then more blocks per broadcast; then every smaller
+    tile in that order."""
     cols, blocks = anchor.spatial[3], anchor.spatial[1]
+    tails = knobs.tail_tiles and anchor.shared_input
     tiles = [
         Tile(vec=knobs.lanes, rows=r, hrows=h, lanes=knobs.lanes, block_rows=r)
         for h in _divisors(blocks) if h <= knobs.max_hrows
-        for r in _divisors(cols)
+        for r in (range(1, cols + 1) if tails else _divisors(cols))
     ]
-    tiles = [t for t in tiles if live_vector_registers(anchor, t, None) <= knobs.vector_regs]
+    # Tiles whose reduction fits (the register-pressure check decides where the epilogue goes).
+    conv_only = dataclasses.replace(anchor, epilogue_operands=0, epilogue_constants=0)
+    tiles = [t for t in tiles if live_vector_registers(conv_only, t, None) <= knobs.register_file]
     if not tiles:
         return [Tile(vec=knobs.lanes, rows=1, hrows=1, lanes=knobs.lanes, block_rows=1)]
 
     def key(tile: Tile):
         return (-round(_blocked_efficiency(anchor, tile, knobs), 2),
-                abs(tile.accumulators - knobs.target_accumulators), -tile.hrows)
+                abs(tile.accumulators - knobs.target_accumulators), cols % tile.rows > 0,
+                -tile.hrows)
 
     tiles.sort(key=key)
     out = [t for t in tiles if t.accumulators <= tiles[0].accumulators]
@@ -529,13 +560,19 @@ def _blocked_tiles(anchor: Anchor, knobs: _Knobs) -> list[Tile]:
 def _blocked_efficiency(anchor: Anchor, tile: Tile, knobs: _Knobs) -> float:
     """Modelled fraction of the FMA peak of a blocked tile: FMAs against loads (a broadcast per
     column and a weight vector per block; depthwise: an input vector per output) and latency,
-    times the balance of the parallel chunks."""
-    acc = tile.accumulators
-    loads = tile.hrows + (acc if not anchor.shared_input else tile.rows)
-    fma = acc / knobs.fma_ports
-    efficiency = fma / max(fma, loads / knobs.load_ports, knobs.fma_latency)
+    over the full tiles of a row and its tail tile, times the balance of the parallel chunks
+    (a row of column tiles is one chunk when there is a tail)."""
+
+    def cycles(columns: int) -> float:
+        acc = columns * tile.hrows
+        loads = tile.hrows + (acc if not anchor.shared_input else columns)
+        return max(acc / knobs.fma_ports, loads / knobs.load_ports, knobs.fma_latency)
+
     n, blocks, height, cols, _ = anchor.spatial
-    chunks = n * blocks // tile.hrows * height * cols // tile.rows
+    full, tail = divmod(cols, tile.rows)
+    ideal = cols * tile.hrows / knobs.fma_ports
+    efficiency = ideal / (full * cycles(tile.rows) + (cycles(tail) if tail else 0))
+    chunks = n * blocks // tile.hrows * height * (1 if tail else cols // tile.rows)
     return efficiency * chunks / (knobs.cores * -(-chunks // knobs.cores))
 
 
@@ -591,7 +628,7 @@ def schedule(
     tile = _with_block_rows(anchor, tile or candidate_tiles(anchor, chip)[0], knobs)
     _check_tile(anchor, tile, knobs)
     if anchor.blocked:
-        sch = s_tir.Schedule(func)
+        sch = s_tir.Schedule(_narrow(func))  # int32 indices: LoopPartition splits a tail tile
         _schedule_blocked(sch, anchor, epilogue, knobs, tile)
         return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
     sch = s_tir.Schedule(_narrow(func))
@@ -699,16 +736,20 @@ def design_spaces(sch: s_tir.Schedule, chip) -> list[s_tir.Schedule] | None:
     """MetaSchedule design spaces of a blocked conv kernel (``ms.space_generator.ScheduleFn``):
     our schedule with the register tile sampled (``sample_perfect_tile`` of the columns and of
     the channel blocks, which MetaSchedule's tile-size mutator explores), one space per
-    epilogue level (on the register tile, on the stored tile). None for any other kernel."""
+    epilogue level (on the register tile, on the stored tile); and one fixed schedule per
+    candidate tile with a tail (which a perfect tile cannot sample) and level. None for any
+    other kernel."""
     anchor = _analyze(sch.mod["main"])
     if isinstance(anchor, str) or not anchor.blocked:
         return None
     knobs = _Knobs.of(chips.get(chip), anchor.dtype)
+    tails = [t for t in candidate_tiles(anchor, chip) if anchor.spatial[3] % t.rows]
     spaces = []
     for level in ("register", "cache") if anchor.epilogue else ("register",):
-        space = sch.copy()
-        _schedule_blocked(space, anchor, level, knobs, None)
-        spaces.append(space)
+        for tile in (None, *tails):
+            space = sch.copy()
+            _schedule_blocked(space, anchor, level, knobs, tile)
+            spaces.append(space)
     return spaces
 
 
@@ -751,9 +792,18 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
         hrows, rows = [None, tile.hrows], [None, tile.rows]
     blocks_out, blocks_in = sch.split(blocks, hrows)
     cols_out, cols_in = sch.split(cols, rows)
-    sch.reorder(n, blocks_out, height, cols_out, *reduction, blocks_in, cols_in, lanes)
-    par = sch.fuse(n, blocks_out, height, cols_out)
+    # The fewer of the tile's broadcasts (columns) and weight vectors (blocks) stay live across
+    # the inner loop: that one goes innermost (what live_vector_registers counts).
+    inner = [blocks_in, cols_in]
+    if tile is not None and tile.rows > tile.hrows:
+        inner.reverse()
+    sch.reorder(n, blocks_out, height, cols_out, *reduction, *inner, lanes)
+    # A tail tile: the column tiles run in a loop of their own, which LoopPartition splits
+    # into the full tiles and the tail (every loop around the predicated tile gets the hint).
+    tail = tile is not None and anchor.spatial[3] % tile.rows > 0
+    par = sch.fuse(n, blocks_out, height, *([] if tail else [cols_out]))
     sch.parallel(par)
+    tile_loop = cols_out if tail else par
 
     # Step 3. Accumulate in the register tile; place the epilogue chain.
     writeback = sch.cache_write(block, 0, "local")
@@ -762,15 +812,15 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
         sch.compute_inline(writeback)
         for b in chain[:-1]:
             sch.compute_inline(b)
-        sch.reverse_compute_at(chain[-1], par, preserve_unit_loops=True)
+        sch.reverse_compute_at(chain[-1], tile_loop, preserve_unit_loops=True)
         on_tile = [chain[-1]]
     else:
-        sch.reverse_compute_at(writeback, par, preserve_unit_loops=True)
+        sch.reverse_compute_at(writeback, tile_loop, preserve_unit_loops=True)
         on_tile = [writeback]
         for b in chain[:-1]:
             sch.compute_inline(b)
         if chain and epilogue == "cache":  # after the tile is stored, still in L1
-            sch.reverse_compute_at(chain[-1], par, preserve_unit_loops=True)
+            sch.reverse_compute_at(chain[-1], tile_loop, preserve_unit_loops=True)
             on_tile.append(chain[-1])
         elif chain:
             _parallel_vectorized(sch, chain[-1], knobs)
@@ -787,7 +837,12 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
         sch.unroll(reduction[-2])
     init = sch.decompose_reduction(block, reduction[0])
     for b in (init, *on_tile):
-        _vectorize_nest(sch, b, par, knobs.lanes, 0)
+        _vectorize_nest(sch, b, tile_loop, knobs.lanes, 0)
+    if tail:
+        for b in sch.get_child_blocks(sch.get_sblock("root")):
+            if sch.get(b).name_hint not in anchor.producers:
+                for loop in sch.get_loops(b)[1:]:
+                    sch.annotate(loop, _HINT, 1)
 
 
 def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:
@@ -796,7 +851,11 @@ def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:
     problems = []
     if tile.lanes != knobs.lanes or tile.vec % tile.lanes or tile.vec < 1:
         problems.append(f"vec must be a multiple of the chip's {knobs.lanes} lanes")
-    if rows % tile.rows or tile.block_rows % tile.rows or rows % tile.block_rows:
+    if anchor.blocked and not 1 <= tile.rows <= rows:  # a tail tile is split off
+        problems.append(f"rows must be 1..{rows}")
+    elif not anchor.blocked and (
+        rows % tile.rows or tile.block_rows % tile.rows or rows % tile.block_rows
+    ):
         problems.append(f"rows and block_rows must divide {rows}")
     if hrows % tile.hrows:
         problems.append(f"hrows must divide {hrows}")

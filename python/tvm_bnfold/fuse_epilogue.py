@@ -189,30 +189,38 @@ def choose_schedule(
     tiles: list | None = None,
 ) -> tuple[tvm.tirx.PrimFunc, FusionRecord]:
     """The register-pressure check: walk tiles (largest first) and epilogue levels until one
-    fits the static budget and, when ``measure``, compiles without spills."""
-    budget = register_pressure.static_budget(chip, anchor.dtype)
+    fits the static budget and, when ``measure``, compiles without spills. The register level's
+    estimate counts the epilogue's operands with the accumulators; the cache level's does not
+    (its epilogue runs after the tile is stored)."""
+    budget = conv_schedule.register_budget(anchor, chip)
     rejected: list[str] = []
     candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
+    conv_only = dataclasses.replace(anchor, epilogue_operands=0, epilogue_constants=0)
     for tile in candidates:
         need = conv_schedule.live_vector_registers(anchor, tile, chip)
-        if need > budget:
+        stored = conv_schedule.live_vector_registers(conv_only, tile, chip)
+        if stored > budget:
             rejected.append(f"tile {tile}: {need} live vector registers > {budget} on {chip.name}")
             continue
         for level in EPILOGUE_LEVELS[:2]:
+            live = need if level == "register" else stored
+            if live > budget:
+                rejected.append(f"tile {tile} ({level}): {live} live vector registers > "
+                                f"{budget} on {chip.name}")
+                continue
             scheduled = conv_schedule.schedule(func, chip, tile, level)
             spills = register_pressure.measure(scheduled, chip).spill_moves if measure else None
             if spills:
                 rejected.append(f"tile {tile} ({level}): {spills} spill moves")
                 continue
             return scheduled, FusionRecord(
-                "", chip.name, _ops(anchor), level, tile=str(tile), registers=need,
+                "", chip.name, _ops(anchor), level, tile=str(tile), registers=live,
                 budget=budget, spill_moves=spills, rejected=rejected,
             )
     # Nothing fits: the epilogue runs as its own loop nest after the conv. The conv keeps the
     # best tile whose accumulators and loads fit the static budget (the epilogue's operands are
     # not live there) and whose kernel spills no more than the smallest tile's (the epilogue's
     # own nest, e.g. its libm calls, spills the same under any tile), else the smallest tile.
-    conv_only = dataclasses.replace(anchor, epilogue_operands=0, epilogue_constants=0)
     if tiles is None:
         candidates = conv_schedule.candidate_tiles(conv_only, chip)
     smallest = candidates[-1]

@@ -303,9 +303,11 @@ def _vars(expr) -> set:
 
 @derived_object
 class RegisterBudget(ms.postproc.PyPostproc):
-    """The register-pressure check as a MetaSchedule postprocessor: discards a candidate whose
-    register tile (:func:`register_tile`) plus the epilogue's operands exceeds
-    ``register_pressure.static_budget(chip, dtype)``, before it is built or measured."""
+    """The register-pressure check as a MetaSchedule postprocessor: discards a candidate before
+    it is built or measured when, in our blocked space, FuseEpilogue's static estimate exceeds
+    ``conv_schedule.register_budget``, or elsewhere, its register tile
+    (:func:`register_tile`) plus the epilogue's operands exceeds
+    ``register_pressure.static_budget(chip, dtype)``."""
 
     def __init__(self, chip, counter: _Counter | None = None) -> None:
         super().__init__()
@@ -323,15 +325,18 @@ class RegisterBudget(ms.postproc.PyPostproc):
         if self.anchor is None:
             return True
         sampled = conv_schedule.sampled_tile(sch, self.anchor, self.chip)
+        budget = self.budget
         if sampled is not None:  # our blocked space: FuseEpilogue's own static estimate
-            need = conv_schedule.live_vector_registers(self.anchor, sampled, self.chip)
+            need = conv_schedule.live_vector_registers(self.anchor, sampled, self.chip,
+                                                       broadcasts_live=True)
+            budget = conv_schedule.register_budget(self.anchor, self.chip)
         else:
             try:
                 tile = register_tile(sch, self.anchor.block, self.chip.lanes(self.anchor.dtype))
             except (TuningError, RuntimeError, ValueError):
                 return True  # not the shape we know: leave it to the other postprocessors
             need = tile + self.anchor.epilogue_operands
-        if need > self.budget:
+        if need > budget:
             self.counter.add(self.task)
             return False
         return True
