@@ -467,6 +467,28 @@ def test_a_tail_tile_is_exact(epilogue, shape):
     assert_close(run(graph, *inputs), run(mod, *inputs))
 
 
+@pytest.mark.parametrize(("cout", "hw", "serial"), [(4 * B, 8, True), (B, 2, False)])
+def test_column_tiles_run_serially_in_each_parallel_chunk(cout, hw, serial):
+    """Parallel over (block group, output row), the column tiles of a row serial inside the
+    chunk; with fewer than two such chunks per core the column tiles are chunks too."""
+    mod, inputs = conv_module(2 * B, cout, hw=hw, residual=True)
+    with CHIP.target:
+        graph = fuse_graph(mod, B)
+    graph = graph.clone()
+    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
+    anchor = conv_schedule.analyze(graph[gvar])
+    tile = conv_schedule.Tile(vec=B, rows=hw // 2, hrows=1, lanes=B, block_rows=hw // 2)
+    scheduled = conv_schedule.schedule(graph[gvar], CHIP, tile)
+    chunks = (cout // B) * hw  # batch 1, one block per group, one chunk per output row
+    sch = s_tir.Schedule(scheduled)
+    outer = sch.get(sch.get_loops(sch.get_sblock(anchor.block + "_update"))[0])
+    assert outer.kind == tvm.tirx.ForKind.PARALLEL
+    assert int(outer.extent) == (chunks if serial else chunks * 2)
+    assert serial == (chunks >= 2 * int(CHIP.target_config["num-cores"]))
+    graph.update_func(gvar, scheduled)
+    assert_close(run(graph, *inputs), run(mod, *inputs))
+
+
 @pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
 def test_every_epilogue_level_of_a_blocked_conv_is_exact(epilogue):
     mod, inputs = conv_module(2 * B, 2 * B, hw=10, residual=True)
