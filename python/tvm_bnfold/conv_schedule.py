@@ -93,6 +93,12 @@ class Anchor:
         width = _extent(self, self.vec_axis)
         return width * _extent(self, self.hrow_axis) if self.pointwise else width
 
+    @property
+    def conv_only(self) -> Anchor:
+        """The anchor without its epilogue's registers (operands, constants): what is live in
+        the conv's own loops when the epilogue runs after the tile is stored."""
+        return dataclasses.replace(self, epilogue_operands=0, epilogue_constants=0)
+
 
 @dataclass(frozen=True)
 class Tile:
@@ -468,8 +474,9 @@ def live_vector_registers(anchor: Anchor, tile: Tile, chip, broadcasts_live: boo
     :func:`design_spaces`, whose tile is sampled)."""
     del chip  # the tile carries the chip's lanes
     if anchor.blocked:
-        # Depthwise: a weight vector per block (reused across the columns), the input vector
-        # streaming through, one spare.
+        # Dense: the fewer of the columns' broadcasts and the blocks' weight vectors, one
+        # streaming operand. Depthwise: a weight vector per block (reused across the columns),
+        # the input vector streaming through, one spare.
         fewer = tile.rows if broadcasts_live else min(tile.rows, tile.hrows)
         shared = fewer + 1 if anchor.shared_input else tile.hrows + 2
         epilogue = anchor.epilogue_operands + anchor.epilogue_constants + 1
@@ -542,7 +549,7 @@ def _blocked_tiles(anchor: Anchor, knobs: _Knobs) -> list[Tile]:
         for r in (range(1, cols + 1) if tails else _divisors(cols))
     ]
     # Tiles whose reduction fits (the register-pressure check decides where the epilogue goes).
-    conv_only = dataclasses.replace(anchor, epilogue_operands=0, epilogue_constants=0)
+    conv_only = anchor.conv_only
     tiles = [t for t in tiles if live_vector_registers(conv_only, t, None) <= knobs.register_file]
     if not tiles:
         return [Tile(vec=knobs.lanes, rows=1, hrows=1, lanes=knobs.lanes, block_rows=1)]
@@ -572,19 +579,23 @@ def _blocked_efficiency(anchor: Anchor, tile: Tile, knobs: _Knobs) -> float:
     full, tail = divmod(cols, tile.rows)
     ideal = cols * tile.hrows / knobs.fma_ports
     efficiency = ideal / (full * cycles(tile.rows) + (cycles(tail) if tail else 0))
-    serial = tail or _serial_columns(anchor, tile.hrows, knobs)
+    serial = _serial_columns(anchor, tile.rows, tile.hrows, knobs)
     chunks = n * blocks // tile.hrows * height * (1 if serial else cols // tile.rows)
     return efficiency * chunks / (knobs.cores * -(-chunks // knobs.cores))
 
 
-def _serial_columns(anchor: Anchor, hrows: int, knobs: _Knobs) -> bool:
-    """A blocked conv's column tiles run in a serial loop inside each parallel chunk of
-    (batch, block group, output row), unless those chunks are fewer than two per core (then the
-    column tiles are parallel chunks too). Side by side in the model (outputs bit-identical),
-    serial column tiles ran ResNet-50 / MobileNetV2 1.05x / 1.13x faster on avx512 and 1.03x /
-    1.23x on avx2, up to 1.19x on a 56x56 1x1 conv alone: one chunk sweeps a row of column
-    tiles with its blocks' weights in L1."""
-    n, blocks, height, _, _ = anchor.spatial
+def _serial_columns(anchor: Anchor, rows: int | None, hrows: int, knobs: _Knobs) -> bool:
+    """A blocked conv's column tiles (``rows`` columns each; None: sampled, dividing the
+    columns) run in a serial loop inside each parallel chunk of (batch, block group, output
+    row): always when they leave a tail tile (LoopPartition splits that loop), else unless
+    those chunks are fewer than two per core (then the column tiles are parallel chunks too).
+    Side by side in the model (outputs bit-identical), serial column tiles ran ResNet-50 /
+    MobileNetV2 1.05x / 1.13x faster on avx512 and 1.03x / 1.23x on avx2, up to 1.19x on a
+    56x56 1x1 conv alone: one chunk sweeps a row of column tiles with its blocks' weights in
+    L1."""
+    n, blocks, height, cols, _ = anchor.spatial
+    if rows is not None and cols % rows:
+        return True
     return n * (blocks // hrows) * height >= 2 * knobs.cores
 
 
@@ -815,7 +826,8 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     # needs that loop: LoopPartition splits it into the full tiles and the tail (every loop
     # around the predicated tile gets the hint).
     tail = tile is not None and anchor.spatial[3] % tile.rows > 0
-    serial = tail or _serial_columns(anchor, tile.hrows if tile else knobs.max_hrows, knobs)
+    serial = _serial_columns(anchor, tile.rows if tile else None,
+                             tile.hrows if tile else knobs.max_hrows, knobs)
     par = sch.fuse(n, blocks_out, height, *([] if serial else [cols_out]))
     sch.parallel(par)
     tile_loop = cols_out if serial else par

@@ -25,7 +25,6 @@ else the epilogue moves to the cache tile; else it stays a separate loop nest. E
 from __future__ import annotations
 
 import base64
-import dataclasses
 import logging
 import zlib
 from dataclasses import dataclass
@@ -195,7 +194,7 @@ def choose_schedule(
     budget = conv_schedule.register_budget(anchor, chip)
     rejected: list[str] = []
     candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
-    conv_only = dataclasses.replace(anchor, epilogue_operands=0, epilogue_constants=0)
+    conv_only = anchor.conv_only
     for tile in candidates:
         need = conv_schedule.live_vector_registers(anchor, tile, chip)
         stored = conv_schedule.live_vector_registers(conv_only, tile, chip)
