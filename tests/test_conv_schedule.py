@@ -118,6 +118,8 @@ CASES = {
     "grouped": (lambda: _conv((1, 8, 9, 11), 12, 3, padding=1, groups=2), "group_conv2d"),
     "conv_silu_dag": (lambda: _conv((1, 4, 6, 40), 8, 3, padding=1, act="silu"), "conv2d"),
     "matmul_bias": (lambda: _matmul(2, 40, 24), "matmul"),
+    "gemv_bias": (lambda: _matmul(1, 160, 130), "matmul"),  # split over the cores
+    "gemv_odd_reduction": (lambda: _matmul(1, 161, 130), "matmul"),  # not split
     "conv1d": (_conv1d, "conv1d"),
     "conv3d": (_conv3d, "conv3d"),
     "max_pool_stride2": (lambda: _max_pool((1, 8, 15, 22), 2), "reduction"),
@@ -226,6 +228,20 @@ def test_strides_and_pointwise_rows():
     assert cs.analyze(_kernel("conv1x1_tail")).pointwise
     assert not cs.analyze(_kernel("conv3x3_bias_relu")).pointwise
     assert not cs.analyze(_kernel("depthwise_clip")).shared_input
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_a_gemv_splits_its_reduction_across_the_cores(chip):
+    """One output row: each core sums a contiguous slab of the reduction (rfactor), the
+    partial sums are added up per vector; two rows, or a reduction the cores do not divide,
+    keep the column tiles."""
+    knobs = cs._Knobs.of(chips.get(chip), "float32")
+    split = cs.schedule(_kernel("gemv_bias"), chip).script()
+    assert cs.is_gemv(cs.analyze(_kernel("gemv_bias")), knobs.cores)
+    assert f"T.parallel({knobs.cores})" in split and "_rf = " in split
+    for case in ("matmul_bias", "gemv_odd_reduction"):
+        assert not cs.is_gemv(cs.analyze(_kernel(case)), knobs.cores)
+        assert "_rf = " not in cs.schedule(_kernel(case), chip).script()
 
 
 def _allocations(func: tvm.tirx.PrimFunc) -> int:
