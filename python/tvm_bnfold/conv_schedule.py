@@ -655,15 +655,13 @@ def schedule(
         _schedule_blocked(sch, anchor, epilogue, knobs, tile)
         return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
     sch = s_tir.Schedule(_narrow(func))
-    if is_gemv(anchor, knobs.cores):
-        for name in anchor.producers:
-            _schedule_producer(sch, name, anchor, knobs)
-        _schedule_gemv(sch, anchor, epilogue, knobs)
-        return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
 
     # Step 1. Producers: inline plain copies, de-interleave strided inputs, parallelize the rest.
     for name in anchor.producers:
         _schedule_producer(sch, name, anchor, knobs)
+    if is_gemv(anchor, knobs.cores):
+        _schedule_gemv(sch, anchor, epilogue, knobs)
+        return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
 
     # Step 2. Pointwise: flatten the output rows (h, w) -> h * W + w into one vector axis.
     if anchor.pointwise:
@@ -751,13 +749,18 @@ def schedule(
     # predicated vector gets the hint (a partition below an unhinted loop would leave a
     # vector of symbolic length); a tail on the parallel loop stays predicated (scalar).
     if tail and sch.get(middle[0]).kind != tirx.ForKind.PARALLEL:
-        for b in sch.get_child_blocks(sch.get_sblock("root")):
-            if sch.get(b).name_hint in anchor.producers:
-                continue
+        _hint_tails(sch, anchor)
+    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+
+
+def _hint_tails(sch: s_tir.Schedule, anchor: Anchor) -> None:
+    """Give every serial loop of the anchor and its epilogue the LoopPartition hint, so that a
+    tail the vectors or tiles do not divide is split off (see step 7 of :func:`schedule`)."""
+    for b in sch.get_child_blocks(sch.get_sblock("root")):
+        if sch.get(b).name_hint not in anchor.producers:
             for loop in sch.get_loops(b):
                 if sch.get(loop).kind != tirx.ForKind.PARALLEL:
                     sch.annotate(loop, _HINT, 1)
-    return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
 
 
 def is_gemv(anchor: Anchor, cores: int) -> bool:
@@ -802,10 +805,7 @@ def _schedule_gemv(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs: _K
     elif chain:
         sch.reverse_compute_at(chain[-1], vec[0])
         sch.vectorize(sch.get_loops(chain[-1])[-1])
-    for b in sch.get_child_blocks(sch.get_sblock("root")):  # a tail of the columns
-        for loop in sch.get_loops(b):
-            if sch.get(loop).kind != tirx.ForKind.PARALLEL:
-                sch.annotate(loop, _HINT, 1)
+    _hint_tails(sch, anchor)  # a tail of the columns
 
 
 def _split_lanes(sch: s_tir.Schedule, loop, lanes: int) -> list:
@@ -925,10 +925,7 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     for b in (init, *on_tile):
         _vectorize_nest(sch, b, tile_loop, knobs.lanes, 0)
     if tail:
-        for b in sch.get_child_blocks(sch.get_sblock("root")):
-            if sch.get(b).name_hint not in anchor.producers:
-                for loop in sch.get_loops(b)[1:]:
-                    sch.annotate(loop, _HINT, 1)
+        _hint_tails(sch, anchor)
 
 
 def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:
