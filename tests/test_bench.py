@@ -1,6 +1,10 @@
 """The measurements behind the reports: kernel counts and intermediate bytes on a small graph."""
 
+import re
+
 import numpy as np
+import pytest
+import tvm
 from tvm import relax
 
 from _util import function, tensor_var
@@ -11,6 +15,8 @@ from tvm_bnfold.bench import (
     WARMUP,
     cell,
     fast_math_rows,
+    fma_kernel,
+    fma_peak,
     interleaved,
     intermediate_bytes,
     kernel_count,
@@ -68,6 +74,27 @@ def test_cells_say_not_run_instead_of_a_number():
 
 def test_sgemm_peak_is_positive():
     assert sgemm_peak(n=128, repeat=2) > 0
+
+
+@pytest.mark.parametrize("name", [n for n in ("avx512", "avx2") if chips.get(n).runs_here])
+def test_fma_peak_kernel_is_one_fma_per_step_and_computes_every_step(name):
+    """The peak kernel is what it claims: one vector FMA per accumulator per step in the asm
+    (not a multiply and an add), and every step runs (three steps of acc * 0.5 + 0.25)."""
+    chip = chips.get(name)
+    lanes, accumulators = chip.lanes(), chip.vector_regs // 2
+    ex = tvm.compile(tvm.IRModule({"main": fma_kernel(lanes, accumulators, 3, 2)}),
+                     target=chip.target)
+    asm = ex.mod.inspect_source("asm")
+    assert len(re.findall(r"vfmadd\w+ps", asm)) >= accumulators
+    x = tvm.runtime.tensor(np.full(lanes, 0.5, np.float32))
+    y = tvm.runtime.tensor(np.full(lanes, 0.25, np.float32))
+    out = tvm.runtime.tensor(np.zeros((2, accumulators, lanes), np.float32))
+    ex.jit()["main"](x, y, out)
+    expected = np.arange(accumulators, dtype=np.float32)[:, None].repeat(lanes, axis=1)
+    for _ in range(3):
+        expected = expected * np.float32(0.5) + np.float32(0.25)
+    np.testing.assert_array_equal(out.numpy(), np.stack([expected] * 2))
+    assert fma_peak(chip, iters=1 << 12, repeat=2) > 0
 
 
 def test_nchw_variant_only_where_ours_blocks():

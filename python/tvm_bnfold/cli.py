@@ -254,10 +254,11 @@ def _bench(args) -> None:
     mod = load_onnx(proto)
     rows, _ = bench.compare(mod, report.model_name(args.model), chip, args.repeat, proto,
                             report.progress)
-    peak = bench.sgemm_peak()
+    peak, fma = bench.sgemm_peak(), bench.fma_peak(chip)
     bench.print_rows(rows)
     print(f"practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s")
-    bench.print_peak(rows, bench.model_flops(mod) / 1e9, peak)
+    print(f"FMA peak of {chip.name} (independent FMAs on every core): {fma:.1f} GFLOP/s")
+    bench.print_peak(rows, bench.model_flops(mod) / 1e9, peak, fma)
 
 
 def _report(args) -> None:
