@@ -125,6 +125,9 @@ def test_report_latency_only_where_the_chip_runs(tiny_report):
         ours = rows["FoldBN+FuseEpilogue (default schedule)"]
         assert ours[regs].isdigit() or "nvcc" in ours[regs] or "ptxas" in ours[regs]
     assert "practical peak" in md
+    fma = float(md.split("FMA peak (independent FMAs on every core): avx2 ")[1].split()[0])
+    assert fma > 0
+    assert "% of the avx2 FMA peak" in md
 
 
 def test_report_shows_progress_per_chip_model_variant(tiny_report):

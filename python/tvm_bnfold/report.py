@@ -214,7 +214,7 @@ def _table(results: list[Result], model: str) -> list[list[str]]:
     return lines
 
 
-def _notes(results: list[Result], peak: float | None) -> list[str]:
+def _notes(results: list[Result], peak: float | None, fma: dict[str, float]) -> list[str]:
     notes = [
         "Latency: median and p90 per image, batch 1, fp32, "
         f"{os.environ.get('TVM_NUM_THREADS', '?')} TVM threads, all variants of a chip timed "
@@ -240,10 +240,13 @@ def _notes(results: list[Result], peak: float | None) -> list[str]:
     if peak:
         for r in results:
             for row in r.rows:
-                if row["variant"] in ("ours", "tuned") and row.get("median_ms"):
+                if row["variant"] in ("ours", "tuned", "onnxruntime") and row.get("median_ms"):
                     gflops = r.gflop / (row["median_ms"] / 1e3)
+                    of_fma = (f", {gflops / fma[r.chip.name]:.0%} of the {r.chip.name} FMA peak"
+                              if r.chip.name in fma else "")
                     notes.append(f"{r.model} on {r.chip.name}, {bench.VARIANTS[row['variant']]}: "
-                                 f"{gflops:.1f} GFLOP/s = {gflops / peak:.0%} of the sgemm peak.")
+                                 f"{gflops:.1f} GFLOP/s = {gflops / peak:.0%} of the sgemm peak"
+                                 f"{of_fma}.")
     return notes
 
 
@@ -259,6 +262,7 @@ def _cpu() -> str:
 
 def write(
     results: list[Result], out: str | os.PathLike, peak: float | None = None,
+    fma: dict[str, float] | None = None,
     title: str = "tvm-bnfold comparison report",
 ) -> dict[str, Path]:
     """Write report.md, report.html (plots embedded as data URIs) and the PNGs into ``out``."""
@@ -280,7 +284,11 @@ def write(
     machine = f"{_cpu()}; generated {stamp}; load average {load} (1, 5, 15 min)"
     if peak:
         machine += f"; practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s"
-    notes = _notes(results, peak)
+    fma = fma or {}
+    if fma:
+        machine += "; FMA peak (independent FMAs on every core): " + ", ".join(
+            f"{name} {value:.1f} GFLOP/s" for name, value in fma.items())
+    notes = _notes(results, peak, fma)
     tables = {m: _table(results, m) for m in models}
 
     md = [f"# {title}", "", machine, ""]
@@ -320,12 +328,14 @@ def write(
 
 def run(chip_names: Sequence[str], models: Sequence[str], out: str | os.PathLike,
         repeat: int = 10, say: Callable[[str], None] = progress) -> dict[str, Path]:
-    """:func:`collect` then :func:`write`; the sgemm peak is measured when a chip runs here."""
+    """:func:`collect` then :func:`write`; the sgemm peak and the FMA peak of each chip are
+    measured when a chip runs here."""
     results = collect(chip_names, models, repeat, say)
-    peak = None
+    peak, fma = None, {}
     if any(r.chip.runs_here for r in results):
-        say("measuring the practical peak (2048^3 sgemm)")
+        say("measuring the practical peak (2048^3 sgemm) and the FMA peaks")
         peak = bench.sgemm_peak()
-    paths = write(results, out, peak)
+        fma = {r.chip.name: bench.fma_peak(r.chip) for r in results if r.chip.runs_here}
+    paths = write(results, out, peak, fma)
     say(f"wrote {paths['md']} and {paths['html']}")
     return paths
