@@ -257,7 +257,7 @@ def _bench(args) -> None:
     peak, fma = bench.sgemm_peak(), bench.fma_peak(chip)
     bench.print_rows(rows)
     print(f"practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s")
-    print(f"FMA peak of {chip.name} (independent FMAs on every core): {fma:.1f} GFLOP/s")
+    print(f"FMA peak of {chip.name} ({bench.FMA_LABEL}): {fma:.1f} GFLOP/s")
     bench.print_peak(rows, bench.model_flops(mod) / 1e9, peak, fma)
 
 

@@ -286,7 +286,7 @@ def write(
         machine += f"; practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s"
     fma = fma or {}
     if fma:
-        machine += "; FMA peak (independent FMAs on every core): " + ", ".join(
+        machine += f"; FMA peak ({bench.FMA_LABEL}): " + ", ".join(
             f"{name} {value:.1f} GFLOP/s" for name, value in fma.items())
     notes = _notes(results, peak, fma)
     tables = {m: _table(results, m) for m in models}
@@ -335,7 +335,7 @@ def run(chip_names: Sequence[str], models: Sequence[str], out: str | os.PathLike
     if any(r.chip.runs_here for r in results):
         say("measuring the practical peak (2048^3 sgemm) and the FMA peaks")
         peak = bench.sgemm_peak()
-        fma = {r.chip.name: bench.fma_peak(r.chip) for r in results if r.chip.runs_here}
+        fma = {name: bench.fma_peak(name) for name in chip_names if chips.get(name).runs_here}
     paths = write(results, out, peak, fma)
     say(f"wrote {paths['md']} and {paths['html']}")
     return paths
