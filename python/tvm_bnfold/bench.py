@@ -188,6 +188,12 @@ def sgemm_peak(n: int = 2048, repeat: int = 10) -> float:
 FMA_LABEL = "independent FMAs on every core"
 
 
+def fma_summary(fma: dict[str, float]) -> str:
+    """``FMA peak (...): avx512 235.0 GFLOP/s, ...`` for the peaks of :func:`fma_peak`."""
+    return f"FMA peak ({FMA_LABEL}): " + ", ".join(
+        f"{name} {value:.1f} GFLOP/s" for name, value in fma.items())
+
+
 def fma_kernel(lanes: int, accumulators: int, iters: int, cores: int) -> tvm.tirx.PrimFunc:
     """``cores`` parallel chains of ``iters`` steps ``acc = acc * x + y`` on ``accumulators``
     independent vectors of ``lanes`` floats, accumulator ``a`` starting at ``a`` (LLVM contracts
@@ -637,8 +643,7 @@ def main(argv: list[str] | None = None) -> None:
     peak = sgemm_peak()
     print(f"\n## Practical peak ({PEAK_LABEL}): {peak:.1f} GFLOP/s")
     fma = {name: fma_peak(name) for name in args.chips.split(",")}
-    print(f"## FMA peak ({FMA_LABEL}): " + ", ".join(
-        f"{name} {value:.1f} GFLOP/s" for name, value in fma.items()))
+    print(f"## {fma_summary(fma)}")
     print("\n## Variants (batch 1, fp32; median of "
           f"{args.repeat} interleaved rounds, one process)")
     for name in models:

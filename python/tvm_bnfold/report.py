@@ -286,8 +286,7 @@ def write(
         machine += f"; practical peak ({bench.PEAK_LABEL}): {peak:.1f} GFLOP/s"
     fma = fma or {}
     if fma:
-        machine += f"; FMA peak ({bench.FMA_LABEL}): " + ", ".join(
-            f"{name} {value:.1f} GFLOP/s" for name, value in fma.items())
+        machine += f"; {bench.fma_summary(fma)}"
     notes = _notes(results, peak, fma)
     tables = {m: _table(results, m) for m in models}
 
