@@ -489,6 +489,77 @@ def test_column_tiles_run_serially_in_each_parallel_chunk(cout, hw, serial):
     assert_close(run(graph, *inputs), run(mod, *inputs))
 
 
+def _padded_copies(func: tvm.tirx.PrimFunc) -> int:
+    return func.script().count("alloc_buffer") - func.script().count('scope="local"')
+
+
+def _unpredicated_updates(func: tvm.tirx.PrimFunc) -> tuple[int, int]:
+    """(updates of the register tile with no predicate, all updates) after LoopPartition."""
+    passes = [s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
+              s_tir.transform.CompactBufferAllocation(), s_tir.transform.LowerOpaqueBlock(),
+              tvm.tirx.transform.FlattenBuffer(), s_tir.transform.LoopPartition()]
+    mod = tvm.ir.transform.Sequential(passes)(tvm.IRModule({"main": func}))
+    stores = conv_schedule._nodes(mod["main"].body, tvm.tirx.BufferStore)
+    found = ["if_then_else" not in str(st.value) for st in stores if "local" in st.buffer.name]
+    return sum(found), len(found)
+
+
+AVX512 = chips.get("avx512")  # 32 vector registers: a dense conv's kernel columns unrolled
+
+
+def _conv_kernel(chip, **case):
+    """(module, inputs, blocked graph, its conv kernel's GlobalVar) of ``conv_module(**case)``
+    in ``chip``'s channel blocks."""
+    mod, inputs = conv_module(**case)
+    with chip.target:
+        graph = fuse_graph(mod, chip.lanes()).clone()
+    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
+    return mod, inputs, graph, gvar
+
+
+def _tile(chip, rows: int) -> conv_schedule.Tile:
+    b = chip.lanes()
+    return conv_schedule.Tile(vec=b, rows=rows, hrows=1, lanes=b, block_rows=rows)
+
+
+@pytest.mark.parametrize(("stride", "pad", "dilation"), [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
+def test_a_3x3_conv_reads_its_padding_through_a_predicate(stride, pad, dilation):
+    """No padded copy of the input: the serial column tiles and the kernel rows are split
+    into border and interior parts, and the interior reads without a predicate."""
+    b = AVX512.lanes()
+    mod, inputs, graph, gvar = _conv_kernel(AVX512, cin=2 * b, cout=2 * b, hw=16, stride=stride,
+                                            pad=pad, dilation=dilation, residual=True)
+    cols = conv_schedule.analyze(graph[gvar]).spatial[3]
+    scheduled = conv_schedule.schedule(graph[gvar], AVX512, _tile(AVX512, cols // 4))
+    assert _padded_copies(scheduled) == 0
+    interior, updates = _unpredicated_updates(scheduled)
+    assert 0 < interior < updates
+    if AVX512.runs_here:
+        graph.update_func(gvar, scheduled)
+        assert_close(run(graph, *inputs), run(mod, *inputs))
+
+
+@pytest.mark.parametrize(("chip", "k", "rows"), [
+    ("avx512", 3, 3),  # a tail tile: its hints would split the unrolled loops at the border
+    ("avx512", 5, 4),  # 5x5: its border tiles spilled
+    ("avx2", 3, 4),  # 16 registers: the kernel columns stay rolled
+])
+def test_other_dense_convs_keep_their_padded_copy(chip, k, rows):
+    chip = chips.get(chip)
+    b = chip.lanes()
+    *_, graph, gvar = _conv_kernel(chip, cin=2 * b, cout=2 * b, hw=16, k=k, pad=k // 2)
+    assert _padded_copies(conv_schedule.schedule(graph[gvar], chip, _tile(chip, rows))) == 1
+
+
+def test_the_stem_keeps_its_padded_copy():
+    mod, _ = stem_module(pool=False)
+    with AVX512.target:
+        graph = fuse_graph(mod, AVX512.lanes())
+    (stem,) = [f for g, f in graph.functions.items() if CONV_BLOCK in g.name_hint
+               and conv_schedule.analyze(f).reduction[-1] == 3]  # RGB: fewer than a vector
+    assert _padded_copies(conv_schedule.schedule(stem, AVX512)) == 1
+
+
 @pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
 def test_every_epilogue_level_of_a_blocked_conv_is_exact(epilogue):
     mod, inputs = conv_module(2 * B, 2 * B, hw=10, residual=True)

@@ -147,6 +147,9 @@ class _Knobs:
     # divide ResNet's 56/28/14/7 columns hold 8 accumulators at most (12 = 3 x 4 needs a
     # factor 3); avx2's 3x4 tiles with a tail ran its convs 1.1-1.5x faster than 2x4 alone.
     tail_tiles: bool = False
+    # Blocked dense convs: the widest kernel that reads its padding through a predicate (5x5
+    # tiles that touch both borders spilled: 9x9 and 16x16 outputs, 32 -> 16 channels).
+    inline_pad_taps: int = 3
 
     @staticmethod
     def of(chip: chips.Chip, dtype: str) -> _Knobs:
@@ -855,15 +858,29 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     tiles of a row in a serial loop (see :func:`_serial_columns`), the whole reduction per
     register tile of ``hrows`` blocks x ``rows`` columns, the epilogue on that tile. ``tile``
     None: its two factors are sampled (a search space)."""
-    # Step 1. Producers. A depthwise conv is memory-bound: it reads the padding through a
-    # predicate instead of a padded copy (measured 2-3x faster); a dense conv keeps the copy,
-    # filled in parallel vectors (decompose_padding measured no faster, and its trace does not
-    # print in TVM 0.27, which MetaSchedule needs).
+    serial = _serial_columns(anchor, tile.rows if tile else None,
+                             tile.hrows if tile else knobs.max_hrows, knobs)
+    tail = tile is not None and anchor.spatial[3] % tile.rows > 0
+    # The kernel columns unrolled, except around a channel loop shorter than a vector (a
+    # stem's 3 channels, which LLVM unrolls itself: both unrolled spilled 26-132 moves).
+    taps_unrolled = anchor.reduction[-1] >= knobs.lanes and knobs.unroll_taps
+    # Step 1. Producers. A conv reads its zero padding through a predicate (the pad inlined)
+    # instead of a padded copy: a depthwise conv always (memory-bound: 2-3x faster), a dense
+    # one where its column tiles run in a serial loop, which LoopPartition splits into the
+    # border tiles and the interior ones that carry no predicate, and its kernel columns are
+    # unrolled, at most ``inline_pad_taps`` of them (ResNet-50's 3x3 convs alone: 3-12% faster
+    # on avx512). Other convs keep the copy, filled in parallel vectors (decompose_padding
+    # measured no faster, and its trace does not print in TVM 0.27, which MetaSchedule needs):
+    # the stem (inlined: 9% slower), 5x5 kernels (their border tiles spilled), a conv with a
+    # tail tile (its LoopPartition hints on the unrolled loops would split them at the border
+    # too, into loops of symbolic length that cannot be unrolled).
+    inline_pad = not anchor.shared_input or (
+        serial and not tail and taps_unrolled and anchor.reduction[2] <= knobs.inline_pad_taps)
     for name in anchor.producers:
-        if anchor.shared_input:
-            _parallel_vectorized(sch, sch.get_sblock(name), knobs)
-        else:
+        if inline_pad:
             sch.compute_inline(sch.get_sblock(name))
+        else:
+            _parallel_vectorized(sch, sch.get_sblock(name), knobs)
 
     # Step 2. Tile: block groups outermost, so each core keeps its blocks' weights in cache.
     block = sch.get_sblock(anchor.block)
@@ -884,9 +901,6 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     # The column tiles of a row run in a serial loop inside each parallel chunk. A tail tile
     # needs that loop: LoopPartition splits it into the full tiles and the tail (every loop
     # around the predicated tile gets the hint).
-    tail = tile is not None and anchor.spatial[3] % tile.rows > 0
-    serial = _serial_columns(anchor, tile.rows if tile else None,
-                             tile.hrows if tile else knobs.max_hrows, knobs)
     par = sch.fuse(n, blocks_out, height, *([] if serial else [cols_out]))
     sch.parallel(par)
     tile_loop = cols_out if serial else par
@@ -915,17 +929,21 @@ def _schedule_blocked(sch: s_tir.Schedule, anchor: Anchor, epilogue: str, knobs:
     sch.unroll(blocks_in)
     sch.unroll(cols_in)
     sch.vectorize(lanes)
-    # The kernel columns unrolled, except around a channel loop shorter than a vector (a
-    # stem's 3 channels, which LLVM unrolls itself: both unrolled spilled 26-132 moves).
     if not anchor.shared_input:
         sch.unroll(reduction[-1])
-    elif anchor.reduction[-1] >= knobs.lanes and knobs.unroll_taps:
+    elif taps_unrolled:
         sch.unroll(reduction[-2])
     init = sch.decompose_reduction(block, reduction[0])
     for b in (init, *on_tile):
         _vectorize_nest(sch, b, tile_loop, knobs.lanes, 0)
     if tail:
         _hint_tails(sch, anchor)
+    elif inline_pad and anchor.producers and anchor.shared_input:  # (then serial too)
+        # The border column tiles and kernel rows (reduction: channel blocks, kernel rows,
+        # kernel columns, channels) apart from the interior. With the columns alone, two of
+        # ResNet-50's 3x3 convs left their accumulators in memory (1.7x slower).
+        for loop in (cols_out, reduction[1]):
+            sch.annotate(loop, _HINT, 1)
 
 
 def _check_tile(anchor: Anchor, tile: Tile, knobs: _Knobs) -> None:
