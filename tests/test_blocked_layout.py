@@ -451,19 +451,29 @@ def test_a_32_register_chip_keeps_tiles_that_divide_the_columns():
     assert all(28 % t.rows == 0 for t in conv_schedule.candidate_tiles(anchor, avx512))
 
 
+def _conv_kernel(chip, **case):
+    """(module, inputs, blocked graph, its conv kernel's GlobalVar) of ``conv_module(**case)``
+    in ``chip``'s channel blocks."""
+    mod, inputs = conv_module(**case)
+    with chip.target:
+        graph = fuse_graph(mod, chip.lanes()).clone()
+    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
+    return mod, inputs, graph, gvar
+
+
+def _tile(chip, rows: int, hrows: int = 1) -> conv_schedule.Tile:
+    b = chip.lanes()
+    return conv_schedule.Tile(vec=b, rows=rows, hrows=hrows, lanes=b, block_rows=rows)
+
+
 @pytest.mark.parametrize("epilogue", ["register", "cache", "separate"])
 @pytest.mark.parametrize("shape", [(3, 2), (4, 1), (7, 2)])
 def test_a_tail_tile_is_exact(epilogue, shape):
     """Column tiles that leave a tail of 1, 2 or 3 columns (10 = 3 * 3 + 1 = 4 * 2 + 2 =
     7 + 3), at every epilogue level."""
-    mod, inputs = conv_module(2 * B, 2 * B, hw=10, residual=True)
-    with CHIP.target:
-        graph = fuse_graph(mod, B)
-    graph = graph.clone()
-    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
-    func = graph[gvar]
-    tile = conv_schedule.Tile(vec=B, rows=shape[0], hrows=shape[1], lanes=B, block_rows=shape[0])
-    graph.update_func(gvar, conv_schedule.schedule(func, CHIP, tile, epilogue))
+    mod, inputs, graph, gvar = _conv_kernel(CHIP, cin=2 * B, cout=2 * B, hw=10, residual=True)
+    scheduled = conv_schedule.schedule(graph[gvar], CHIP, _tile(CHIP, *shape), epilogue)
+    graph.update_func(gvar, scheduled)
     assert_close(run(graph, *inputs), run(mod, *inputs))
 
 
@@ -471,14 +481,9 @@ def test_a_tail_tile_is_exact(epilogue, shape):
 def test_column_tiles_run_serially_in_each_parallel_chunk(cout, hw, serial):
     """Parallel over (block group, output row), the column tiles of a row serial inside the
     chunk; with fewer than two such chunks per core the column tiles are chunks too."""
-    mod, inputs = conv_module(2 * B, cout, hw=hw, residual=True)
-    with CHIP.target:
-        graph = fuse_graph(mod, B)
-    graph = graph.clone()
-    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
+    mod, inputs, graph, gvar = _conv_kernel(CHIP, cin=2 * B, cout=cout, hw=hw, residual=True)
     anchor = conv_schedule.analyze(graph[gvar])
-    tile = conv_schedule.Tile(vec=B, rows=hw // 2, hrows=1, lanes=B, block_rows=hw // 2)
-    scheduled = conv_schedule.schedule(graph[gvar], CHIP, tile)
+    scheduled = conv_schedule.schedule(graph[gvar], CHIP, _tile(CHIP, hw // 2))
     chunks = (cout // B) * hw  # batch 1, one block per group, one chunk per output row
     sch = s_tir.Schedule(scheduled)
     outer = sch.get(sch.get_loops(sch.get_sblock(anchor.block + "_update"))[0])
@@ -490,7 +495,8 @@ def test_column_tiles_run_serially_in_each_parallel_chunk(cout, hw, serial):
 
 
 def _padded_copies(func: tvm.tirx.PrimFunc) -> int:
-    return func.script().count("alloc_buffer") - func.script().count('scope="local"')
+    script = func.script()
+    return script.count("alloc_buffer") - script.count('scope="local"')
 
 
 def _unpredicated_updates(func: tvm.tirx.PrimFunc) -> tuple[int, int]:
@@ -505,21 +511,6 @@ def _unpredicated_updates(func: tvm.tirx.PrimFunc) -> tuple[int, int]:
 
 
 AVX512 = chips.get("avx512")  # 32 vector registers: a dense conv's kernel columns unrolled
-
-
-def _conv_kernel(chip, **case):
-    """(module, inputs, blocked graph, its conv kernel's GlobalVar) of ``conv_module(**case)``
-    in ``chip``'s channel blocks."""
-    mod, inputs = conv_module(**case)
-    with chip.target:
-        graph = fuse_graph(mod, chip.lanes()).clone()
-    (gvar,) = [g for g in graph.functions if CONV_BLOCK in g.name_hint]
-    return mod, inputs, graph, gvar
-
-
-def _tile(chip, rows: int) -> conv_schedule.Tile:
-    b = chip.lanes()
-    return conv_schedule.Tile(vec=b, rows=rows, hrows=1, lanes=b, block_rows=rows)
 
 
 @pytest.mark.parametrize(("stride", "pad", "dilation"), [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
