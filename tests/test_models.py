@@ -249,3 +249,34 @@ def test_random_inputs():
     np.testing.assert_array_equal(models.random_inputs(model, seed=1)["x"], first["x"])
     from_mod = models.random_inputs(models.load_onnx(model), seed=1)
     np.testing.assert_array_equal(from_mod["x"], first["x"])
+
+
+def test_static_shape_arithmetic_folds_for_the_importer():
+    """Reshape(x, Concat(Slice(Shape(x)), [-1])), and a Reshape target 0 ("this dim"): TVM's
+    importer needs the targets constant and misreads 0; the fold makes both plain numbers."""
+    node = helper.make_node
+    const = lambda name, v: node("Constant", [], [name], value=numpy_helper.from_array(  # noqa: E731
+        np.array(v, np.int64)))
+    nodes = [
+        node("Relu", ["x"], ["r"]),
+        node("Shape", ["r"], ["s"]),
+        const("st", [0]), const("en", [2]),
+        node("Slice", ["s", "st", "en"], ["head"]),
+        const("tail", [-1]),
+        node("Concat", ["head", "tail"], ["target"], axis=0),
+        node("Reshape", ["r", "target"], ["y"]),
+        const("zero", [0, 0, 4, -1]),
+        node("Reshape", ["y", "zero"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 3, 4, "w"])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    original = proto.SerializeToString()
+    mod = models.load_onnx(proto, {"x": (1, 3, 8, 4)})
+    assert proto.SerializeToString() == original  # the caller's model is untouched
+    assert [int(d) for d in mod["main"].ret_ty.shape.values] == [1, 3, 4, 8]
+    x = np.random.default_rng(0).normal(size=(1, 3, 8, 4)).astype("float32")
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(),
+                                  np.maximum(x, 0).reshape(1, 3, 4, 8))

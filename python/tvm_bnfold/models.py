@@ -57,6 +57,7 @@ def load_onnx(
         raise BNFoldError("ONNX model has no graph")
     _check_ops(proto)
     shape_dict = _shape_overrides(proto, shapes or {})
+    proto = _fold_static_shapes(proto, shape_dict)
 
     start = time.perf_counter()
     try:
@@ -82,6 +83,105 @@ def _read_onnx(path: Path) -> onnx.ModelProto:
     if proto.ir_version == 0 or not proto.HasField("graph"):
         raise BNFoldError(f"{path} is not an ONNX model: it has no IR version or no graph")
     return proto
+
+
+#: Constants small enough to take part in shape arithmetic (axes, starts, ends, dims).
+_SHAPE_CONSTANT_SIZE = 64
+
+
+def _fold_static_shapes(
+    proto: onnx.ModelProto, shapes: dict[str, list[int]]
+) -> onnx.ModelProto:
+    """A copy of ``proto`` where each ``Shape`` of a tensor whose shape is static is a constant,
+    and so is every node that computes only from those and small constants (the shape
+    arithmetic exporters write: Cast, Slice, Gather, Concat, ...; evaluated with onnx's
+    reference evaluator). TVM's importer needs, e.g., a Reshape's target shape constant
+    (PaddleOCR's exports compute it from ``Shape``). ``proto`` itself when there is no Shape."""
+    from onnx.reference import ReferenceEvaluator
+
+    if not any(n.op_type == "Shape" for n in proto.graph.node):
+        return proto
+    proto = _with_input_shapes(proto, shapes)
+    while _fold_shape_round(proto, ReferenceEvaluator):  # a folded Reshape target can make
+        pass  # more shapes static downstream
+    return proto
+
+
+def _fold_shape_round(proto: onnx.ModelProto, evaluator_class) -> int:
+    """One round of :func:`_fold_static_shapes` in place (integer arithmetic of small constants
+    folds too); returns how many Shapes it folded."""
+    known = {}
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True).graph
+    for vi in [*inferred.value_info, *_graph_inputs(proto.graph)]:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            known[vi.name] = [d.dim_value for d in dims]
+    small = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
+             if np.prod(t.dims, dtype=np.int64) <= _SHAPE_CONSTANT_SIZE}
+    derived: dict[str, np.ndarray] = {}  # values computed from a static shape
+    opset = {o.domain: o.version for o in proto.opset_import}
+    folded = 0
+    for node in proto.graph.node:
+        if node.op_type == "Constant":
+            attr = node.attribute[0] if len(node.attribute) == 1 else None
+            if attr is not None and attr.name == "value":
+                value = numpy_helper.to_array(attr.t)
+                if value.size <= _SHAPE_CONSTANT_SIZE:
+                    small[node.output[0]] = value
+            continue
+        if node.op_type == "Shape" and node.input[0] in known:
+            attrs = {a.name: a.i for a in node.attribute}
+            dims = np.array(known[node.input[0]], np.int64)
+            values = [dims[attrs.get("start", 0):attrs.get("end", len(dims))]]
+            folded += 1
+        elif (node.domain in ("", "ai.onnx") and node.input
+              and all(not i or i in derived or i in small for i in node.input)):
+            evaluator = evaluator_class(node, opsets=opset)
+            values = evaluator.run(None, {i: derived.get(i, small.get(i)) for i in node.input if i})
+            if not any(i in derived for i in node.input) and not all(
+                    np.issubdtype(np.asarray(v).dtype, np.integer) for v in values):
+                continue  # float arithmetic of constants: the importer's to fold
+        else:
+            continue
+        derived.update(zip(node.output, values, strict=True))
+        if len(node.output) == 1:
+            node.CopyFrom(helper.make_node("Constant", [], [node.output[0]],
+                                           value=numpy_helper.from_array(np.asarray(values[0]))))
+    _resolve_reshape_zeros(proto, known, {**small, **derived})
+    logger.debug("folded %d static shapes", folded)
+    return folded
+
+
+def _resolve_reshape_zeros(proto: onnx.ModelProto, known: dict, constants: dict) -> None:
+    """A Reshape target ``0`` means "this dim of the input" (unless ``allowzero``); TVM's
+    importer passes it on as a 0-sized dim. Write the dim itself where the input is static."""
+    nodes = []
+    for node in proto.graph.node:
+        allowzero = any(a.name == "allowzero" and a.i for a in node.attribute)
+        target = constants.get(node.input[1]) if node.op_type == "Reshape" else None
+        if target is not None and not allowzero and 0 in target and node.input[0] in known:
+            dims = known[node.input[0]]
+            resolved = np.array([dims[k] if d == 0 else d for k, d in enumerate(target)], np.int64)
+            name = f"{node.output[0]}__target"
+            nodes.append(helper.make_node("Constant", [], [name],
+                                          value=numpy_helper.from_array(resolved)))
+            node.input[1] = name
+        nodes.append(node)
+    del proto.graph.node[:]
+    proto.graph.node.extend(nodes)
+
+
+def _with_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
+    """A copy of ``proto`` whose graph inputs have the static ``shapes``."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    for vi in _graph_inputs(copy.graph):
+        if vi.name in shapes:
+            dims = vi.type.tensor_type.shape.dim
+            del dims[:]
+            for d in shapes[vi.name]:
+                dims.add().dim_value = d
+    return copy
 
 
 def _walk_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
