@@ -334,3 +334,35 @@ def test_missing_nvcc_raises_tool_missing(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(rp, "_CUDA_DEFAULT_ROOT", str(tmp_path))
     with pytest.raises(rp.ToolMissing, match="nvcc not found"):
         rp.measure(_gpu_tile(2, 2), "cuda-sm80")
+
+
+# spill-verdict cache ------------------------------------------------------------------------
+
+
+def test_spill_verdicts_are_cached_in_memory_and_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("TVM_BNFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(rp, "SPILLS", rp.SpillCache())
+    builds = []
+    real = rp.measure_cpu
+    monkeypatch.setattr(rp, "measure_cpu", lambda f, c: builds.append(1) or real(f, c))
+    func = _cpu_tile("avx2", 4, 4)
+    first = rp.measure(func, "avx2")
+    assert rp.measure(func.with_attr("global_symbol", "other_name"), "avx2") == first
+    assert len(builds) == 1 and first.spill_moves > 0
+    assert rp.measure(_cpu_tile("avx2", 2, 2), "avx2").spill_moves == 0
+    assert len(builds) == 2
+    assert list(tmp_path.iterdir()) == [tmp_path / rp.SpillCache.FILE]  # no temporary left
+    fresh = rp.SpillCache()  # another process: reads the file
+    assert fresh.get(rp.SpillCache.key(func, chips.get("avx2"))) == first
+    assert fresh.get(rp.SpillCache.key(func, chips.get("avx512"))) is None  # keyed by target
+
+
+def test_a_file_that_is_not_a_spill_cache_is_never_overwritten(tmp_path, caplog):
+    path = tmp_path / rp.SpillCache.FILE
+    path.write_text('{"not": "a verdict"}')
+    cache = rp.SpillCache(tmp_path)
+    report = rp.SpillReport("avx2", 16, 0, 0)
+    cache.put("k", report)
+    assert cache.get("k") == report  # the memory cache still works
+    assert path.read_text() == '{"not": "a verdict"}'
+    assert "not a verdict cache" in caplog.text

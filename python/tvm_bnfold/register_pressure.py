@@ -13,6 +13,8 @@ Measured on CPU from LLVM's assembly (vector register <-> stack moves, since LLV
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import re
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tvm
+import tvm_ffi
 
 from . import chips
 from .errors import BNFoldError
@@ -409,8 +412,89 @@ def measure_cuda(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
 
 
 def measure(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
-    """Measure register use and spills of a scheduled PrimFunc on ``chip`` (CPU or CUDA)."""
+    """Register use and spills of a scheduled PrimFunc on ``chip`` (CPU or CUDA): the verdict
+    cached for this kernel and target (:class:`SpillCache`), else measured and cached."""
     chip = chips.get(chip)
-    if chip.kind == "cuda":
-        return measure_cuda(func, chip)
-    return measure_cpu(func, chip)
+    key = SpillCache.key(func, chip)
+    report = SPILLS.get(key)
+    if report is None:
+        report = measure_cuda(func, chip) if chip.kind == "cuda" else measure_cpu(func, chip)
+        SPILLS.put(key, report)
+    return report
+
+
+class SpillCache:
+    """Spill verdicts by kernel (structural hash of the scheduled PrimFunc), target and TVM
+    version: in memory, and on disk in ``spill_verdicts.json`` of ``directory``
+    (``$TVM_BNFOLD_CACHE``, else ``~/.cache/tvm_bnfold``), beside the user's own tuning work.
+    Written whole to a temporary file and renamed: a crash never truncates it. A file that is
+    not a verdict cache is left alone (and not used)."""
+
+    FILE = "spill_verdicts.json"
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self._directory = directory
+        self._memory: dict[str, SpillReport] = {}
+        self._loaded: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        root = self._directory or os.environ.get("TVM_BNFOLD_CACHE") or "~/.cache/tvm_bnfold"
+        return Path(root).expanduser() / self.FILE
+
+    @staticmethod
+    def key(func: PrimFuncLike, chip: chips.Chip) -> str:
+        if isinstance(func, tvm.IRModule):
+            (func,) = func.functions.values()
+        digest = tvm_ffi.structural_hash(func.without_attr("global_symbol"))
+        return f"{tvm.__version__}|{chip.target}|{digest}"
+
+    def get(self, key: str) -> SpillReport | None:
+        self._load()
+        return self._memory.get(key)
+
+    def put(self, key: str, report: SpillReport) -> None:
+        self._load()
+        self._memory[key] = report
+        path = self.path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            on_disk = self._read(path)
+            if on_disk is None and path.exists():
+                return  # not ours: never overwrite it
+            on_disk.update({k: dataclasses.asdict(r) for k, r in self._memory.items()})
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False,
+                                             suffix=".tmp") as tmp:
+                json.dump(on_disk, tmp)
+            os.replace(tmp.name, path)
+        except OSError as err:  # a read-only home: the memory cache still works
+            logger.debug("spill cache %s not written: %s", path, err)
+
+    def _load(self) -> None:
+        path = self.path
+        if self._loaded == path:
+            return
+        self._loaded = path
+        for key, fields in (self._read(path) or {}).items():
+            self._memory.setdefault(key, SpillReport(**fields))
+
+    @staticmethod
+    def _read(path: Path) -> dict | None:
+        """The verdicts in ``path`` ({} when there is no file), None when it is not a cache."""
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            logger.warning("spill cache %s is not a verdict cache: not used", path)
+            return None
+        names = {f.name for f in dataclasses.fields(SpillReport)}
+        if not (isinstance(data, dict)
+                and all(isinstance(v, dict) and set(v) == names for v in data.values())):
+            logger.warning("spill cache %s is not a verdict cache: not used", path)
+            return None
+        return data
+
+
+#: The process-wide spill cache :func:`measure` uses.
+SPILLS = SpillCache()
