@@ -101,11 +101,14 @@ def test_depthwise_conv_is_blocked_and_exact(chip, stride):
     assert_close(run(out, *inputs), run(mod, *inputs))
 
 
-def test_grouped_conv_falls_back_to_nchw_between_transforms():
+def test_grouped_conv_ends_the_region_and_says_why():
     """groups=2 has no blocked compute here: the conv runs in NCHW, the numbers stay."""
     mod, inputs = conv_module(2 * B, 2 * B, groups=2)
-    blocked = to_blocked(mod, B)
+    blocked, records = to_blocked(mod, B)
     assert not any(CONV_BLOCK in n or DEPTHWISE_BLOCK in n for n in kernel_names(blocked))
+    (record,) = records
+    assert (record.op, record.count) == ("relax.nn.conv2d", 1)
+    assert "groups=2" in str(record) and "region ends" in str(record)
     assert_close(run(blocked, *inputs), run(mod, *inputs))
 
 
@@ -222,7 +225,7 @@ def test_a_padded_tensor_read_by_another_op_gets_a_slice():
 
     mod = function([tensor_var("x", (1, B, 8, 8))], body)
     x = rng.normal(size=(1, B, 8, 8)).astype("float32")
-    blocked = to_blocked(mod, B)
+    blocked, _ = to_blocked(mod, B)
     shapes = [[int(d) for d in f.shape.values] for f in blocked["main"].ret_ty.fields]
     assert shapes == [[1, B, 8, 8], [1, 12, 4, 4], [1, 12, 8, 8]]
     for got, want in zip(_run_tuple(blocked, x), _run_tuple(mod, x), strict=True):
@@ -241,7 +244,7 @@ def test_a_padded_region_ending_in_the_output_binding():
 
     mod = function([tensor_var("x", (1, B, 6, 6))], body)
     x = rng.normal(size=(1, B, 6, 6)).astype("float32")
-    blocked = to_blocked(mod, B)
+    blocked, _ = to_blocked(mod, B)
     assert [int(d) for d in blocked["main"].ret_ty.shape.values] == [1, 12, 6, 6]
     assert_close(run(blocked, x), run(mod, x))
 
@@ -258,7 +261,7 @@ def test_a_region_through_an_unsafe_op_is_not_padded():
 
     mod = function([tensor_var("x", (1, B, 8, 8))], body)
     x = rng.normal(size=(1, B, 8, 8)).astype("float32")
-    blocked = to_blocked(mod, B)
+    blocked, _ = to_blocked(mod, B)
     assert not any("NCHWc" in n for n in kernel_names(blocked))  # 12 channels: plain NCHW
     assert_close(run(blocked, x), run(mod, x))
 
@@ -305,13 +308,13 @@ def test_a_stem_chain_with_a_second_tensor_stays_nchw():
     mod = function(params, body)
     inputs = [rng.normal(size=(1, 3, 8, 8)).astype("float32"),
               rng.normal(size=(1, 2 * B, 8, 8)).astype("float32")]
-    blocked = to_blocked(mod, B)
+    blocked, _ = to_blocked(mod, B)
     assert_close(run(blocked, *inputs), run(mod, *inputs))
 
 
 def test_a_stem_whose_output_is_used_twice_stays_nchw():
     mod, x = stem_module(pool=False, also_returned=True)
-    blocked = to_blocked(mod, B)
+    blocked, _ = to_blocked(mod, B)
     assert layout_kernel_count(blocked) >= 2  # the stem's output is transformed, not written
     for got, want in zip(_run_tuple(blocked, x), _run_tuple(mod, x), strict=True):
         assert_close(got, want)

@@ -163,13 +163,49 @@ def _run_tuple(mod, x):
     return [t.numpy() for t in vm["main"](tvm.runtime.tensor(x))]
 
 
+def stem_pool_module(seed=0):
+    """RGB x -> conv3x3 (3 -> 16) -> relu -> conv1x1 (16 -> 32) -> relu -> global mean ->
+    flatten -> dense: a network's shape, whose blocked layout needs no layout transform."""
+    rng = np.random.default_rng(seed)
+    w1 = relax.const(rng.normal(0, 0.3, (16, 3, 3, 3)).astype("float32"))
+    w2 = relax.const(rng.normal(0, 0.3, (32, 16, 1, 1)).astype("float32"))
+    w3 = relax.const(rng.normal(0, 0.3, (32, 10)).astype("float32"))
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1, padding=1))))
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(y, w2))))
+        y = bb.emit(R.reshape(bb.emit(R.mean(y, axis=[2, 3], keepdims=True)), (1, 32)))
+        return R.matmul(y, w3)
+
+    return function([tensor_var("x", (1, 3, 8, 8))], body), [
+        rng.normal(size=(1, 3, 8, 8)).astype("float32")]
+
+
+def _names(mod) -> list[str]:
+    return [g.name_hint for g, f in mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+
+
 @pytest.mark.parametrize(("chip", "blocked"), [("avx512", True), ("avx2", True),
                                                ("aarch64", True), ("cuda-sm80", False)])
 def test_the_blocked_layout_is_the_default_on_cpu_chips(chip, blocked):
-    mod, _ = conv_act_module(ACTIVATIONS["relu"], shape=(1, 16, 8, 8), cout=32)
+    mod, _ = stem_pool_module()
     out, _ = _fuse(mod, chip)
-    names = [g.name_hint for g, f in out.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert any("NCHWc" in n for n in names) == blocked
+    assert any("NCHWc" in n for n in _names(out)) == blocked
+    assert layout_kernel_count(out) == 0  # the 1x1 map back to NCHW is a reshape
+
+
+def test_the_default_keeps_nchw_where_blocking_adds_kernels():
+    """A lone conv between NCHW input and output: blocked, it would need a layout transform
+    at each end (3 kernels instead of 1). blocked=True still blocks it."""
+    mod, inputs = conv_act_module(ACTIVATIONS["relu"], shape=(1, 16, 8, 8), cout=32)
+    fuse = FuseEpilogue()
+    with chips.target("avx2"):
+        out = fuse(mod)
+        forced = FuseEpilogue(blocked=True)(mod)
+    assert not any("NCHWc" in n for n in _names(out)) and kernel_count(out) == 1
+    assert "blocked layout not kept: 3 kernels, 1 in NCHW" in [str(r) for r in fuse.layout_report]
+    assert any("NCHWc" in n for n in _names(forced)) and kernel_count(forced) == 3
+    assert_close(run(out, *inputs), run(mod, *inputs))
 
 
 def test_without_a_target_is_a_clear_error():
@@ -201,7 +237,7 @@ def test_a_separate_epilogue_leaves_the_conv_a_full_tile(fast_math):
     avx2's 16 registers), the conv still gets a multi-accumulator tile that spills no more
     than the smallest one: the epilogue's registers are not live in the conv's loop."""
     mod, inputs = conv_act_module(ACTIVATIONS["silu"], shape=(1, 16, 16, 16), cout=32)
-    fuse = FuseEpilogue(fast_math=fast_math)
+    fuse = FuseEpilogue(fast_math=fast_math, blocked=True)
     with chips.target("avx2"):
         out = fuse(mod)
     (record,) = fuse.report
@@ -220,7 +256,7 @@ def test_folded_small_model_commits_only_spill_free_kernels():
     out, report = _fuse(mod, "avx2")
     committed = [r for r in report if r.decision in ("register", "cache")]
     assert committed and all(r.spill_moves == 0 for r in committed)
-    assert kernel_count(out) - layout_kernel_count(out) == 55  # 52 convs, mean, flatten, fc
+    assert kernel_count(out) - layout_kernel_count(out) == 54  # 52 convs, mean, fc (+ a view)
     inputs = list(random_inputs(mod).values())
     assert_close(run(out, *inputs), run(mod, *inputs))
 

@@ -23,14 +23,14 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from . import chips
+from . import chips, fuse_epilogue
 from .fold_bn import FoldBN
 from .fuse_epilogue import (
     FuseEpilogue,
     FusionRecord,
     blocked_by_default,
-    fuse_graph,
     schedule_kernels,
+    tvm_fusion,
 )
 from .models import BUILTIN, load_onnx, random_inputs
 from .tuning import RECORD_FILE, build, database_dir
@@ -78,8 +78,8 @@ def conv_count(counts: Counter) -> int:
 
 
 def kernel_count(mod: tvm.IRModule) -> int:
-    """Kernels ``main`` launches: its ``call_tir`` calls (after legalization)."""
-    return op_counts(relax.transform.LegalizeOps()(mod))["call_tir"]
+    """Kernels ``main`` launches: its ``call_tir`` calls after legalization, less reshapes."""
+    return fuse_epilogue.kernel_count(relax.transform.LegalizeOps()(mod))
 
 
 def layout_kernel_count(mod: tvm.IRModule) -> int:
@@ -399,7 +399,8 @@ def variants(
                                        fuse.report)
                 continue
             source, records = sources[name], None
-            graph = fuse_graph(source) if name == "stock" else legalize(source)
+            graph = (tvm.transform.Sequential(tvm_fusion())(source) if name == "stock"
+                     else legalize(source))
             if schedule_baselines:
                 graph, records = schedule_kernels(graph, chip, measure)
             result[name] = Variant(graph, op_counts(source)["nn.batch_norm"], records)

@@ -35,6 +35,8 @@ back.
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -52,28 +54,63 @@ DEPTHWISE_BLOCK = "depthwise_conv2d_NCHWc"
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
-def to_blocked(mod: tvm.IRModule, block: int, legalize: dict | None = None) -> tvm.IRModule:
+@dataclass(frozen=True)
+class LayoutRecord:
+    """Ops of one kind (``count`` of them) where a blocked region ends, and why."""
+
+    op: str
+    count: int
+    reason: str
+
+    def __str__(self) -> str:
+        if not self.op:
+            return self.reason
+        return f"{self.op} x{self.count}: {self.reason}; the blocked region ends there"
+
+
+def to_blocked(
+    mod: tvm.IRModule, block: int, legalize: dict | None = None
+) -> tuple[tvm.IRModule, list[LayoutRecord]]:
     """``mod`` with its conv2ds in ``NCHW{block}c`` and legalized (every op a ``call_tir``;
-    ``legalize``: op name -> legalization for the other ops, over TVM's own)."""
+    ``legalize``: op name -> legalization for the other ops, over TVM's own), and where the
+    blocked regions end and why."""
     if block < 2:
         raise BNFoldError(f"to_blocked: the channel block must be >= 2, got {block}")
-    return tvm.transform.Sequential([
+    legalize = legalize or {}
+    ends = _EndRegions(block, legalize)
+    passes = [
         # Step 1. The importer's clip kernels back to relax.maximum / relax.minimum.
         _RaiseClip(),
         relax.transform.FoldConstant(),
         # Step 2. Channel counts the block does not divide: zero channels up to a multiple.
         _PadChannels(block),
-        # Step 3. Blocked layout for conv2d and what lies between convs; fold the packed weights.
+        # Step 3. Blocked layout for conv2d and what lies between convs (every op it cannot
+        # carry legalized first: a region ends there); fold the packed weights.
+        ends,
         relax.transform.ConvertLayout({"relax.nn.conv2d": [f"NCHW{block}c", f"OIHW{block}o"]}),
         relax.transform.Normalize(),
         relax.transform.EliminateCommonSubexpr(),
+        _PackConstants(),
         relax.transform.FoldConstant(),
         _BlockStems(block),
+        relax.transform.RewriteDataflowReshape(),  # the reshapes legalized in Step 3: views
+        _TransformsAsReshapes(block),
         # Step 4. Legalize, blocked convs with our compute; pack the weights once.
-        relax.transform.LegalizeOps({**(legalize or {}), "relax.nn.conv2d": _legalize_conv2d}),
+        relax.transform.LegalizeOps({**legalize, "relax.nn.conv2d": _legalize_conv2d}),
         relax.transform.FoldConstant(),
         relax.transform.DeadCodeElimination(),
-    ])(mod)
+    ]
+    try:
+        out = tvm.transform.Sequential(passes)(mod)
+    except BNFoldError:
+        raise
+    except (RuntimeError, ValueError, TypeError) as err:  # tvm.error.InternalError among them
+        # A TVM layout rule failed on an op we let through: keep the whole model in NCHW.
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        logger.warning("blocked layout not applied: %s", first)
+        notes = [LayoutRecord("", 0, f"blocked layout not applied, NCHW kept: {first}")]
+        return relax.transform.LegalizeOps(legalize)(mod), notes
+    return out, ends.records
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,7 +276,10 @@ def _is_conv2d(value) -> bool:
 
 def _channels(expr) -> int | None:
     """Channel count (axis 1) of a static 4-D tensor, else None."""
-    ty = expr.ty if hasattr(expr, "ty") else None
+    return _channels_of(expr.ty if hasattr(expr, "ty") else None)
+
+
+def _channels_of(ty) -> int | None:
     if not isinstance(ty, relax.TensorType) or ty.shape is None or ty.ndim != 4:
         return None
     dims = ty.shape.values
@@ -357,6 +397,251 @@ def _const(array) -> relax.Expr:
 
 
 # --------------------------------------------------------------------------------------------
+# Step 3a: where a region ends
+# --------------------------------------------------------------------------------------------
+
+_POOLS = {"relax.nn.max_pool2d", "relax.nn.avg_pool2d", "relax.nn.adaptive_avg_pool2d"}
+
+
+@tvm.transform.module_pass(opt_level=0, name="EndRegions")
+class _EndRegions:
+    """Legalize now (into an opaque ``call_tir``) every op the blocked layout does not carry,
+    so that ConvertLayout ends the region before it with one layout transform instead of
+    applying a layout rule that fails or is wrong for it (a 5-D reshape, a rank-3 broadcast,
+    Resize, ConvTranspose, anything unknown). :func:`carry_reason` says which ops are
+    carried; ``records`` says which ended a region and why."""
+
+    def __init__(self, block: int, legalize: dict) -> None:
+        self.block, self.legalize = block, legalize
+        self.records: list[LayoutRecord] = []
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        ends: Counter = Counter()
+        ender = _RegionEnder(mod, self.block, self.legalize, ends)
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                ender.builder_.update_func(gvar, ender.visit_expr(func))
+        out = ender.builder_.get()
+        self.records = [LayoutRecord(op, n, why) for (op, why), n in sorted(ends.items())]
+        for record in self.records:
+            logger.info("%s", record)
+        return out
+
+
+def carry_reason(call: relax.Call, block: int) -> str | None:
+    """None when the blocked layout carries ``call`` (ConvertLayout has a rule for it that is
+    right for these shapes), else why not."""
+    name = call.op.name
+    out = _channels(call)
+    if name == _CONV2D:
+        if not _is_conv2d(call):
+            return "not NCHW / OIHW"
+        groups, cin = int(call.attrs.groups), _channels(call.args[0])
+        if groups != 1 and not (groups == cin == out and int(call.args[1].ty.shape.values[1]) == 1):
+            return f"grouped conv (groups={groups}) has no blocked compute"
+        return None if out % block == 0 else f"{out} output channels, not a multiple of {block}"
+    if name in _UNARY:
+        return None
+    if out is None:
+        return "not a static 4-D tensor"
+    if out % block:
+        return f"{out} channels, not a multiple of {block}"
+    shape = [int(d) for d in call.ty.shape.values]
+    if name in _BINARY or name == "relax.divide":
+        for arg in call.args:
+            ty = arg.ty
+            if not isinstance(ty, relax.TensorType) or ty.shape is None:
+                return "an operand of unknown shape"
+            dims = [int(d) if isinstance(d, tvm.tirx.IntImm) else -1 for d in ty.shape.values]
+            if not (dims == shape or all(d == 1 for d in dims) or dims == [1, out, 1, 1]):
+                return f"broadcast of a {tuple(dims)} operand to {tuple(shape)}"
+        return None
+    if name in _POOLS:
+        return None if str(call.attrs.layout) == "NCHW" else f"layout {call.attrs.layout}"
+    if name == "relax.mean":
+        axes = sorted(int(a) % 4 for a in call.attrs.axis or [])
+        return None if axes == [2, 3] and call.attrs.keepdims else "not a spatial mean"
+    if name == "relax.concat":
+        fields = call.args[0].ty.fields if isinstance(call.args[0].ty, relax.TupleType) else []
+        channels = [_channels_of(f) for f in fields]
+        if int(call.attrs.axis) % 4 != 1 or not fields:
+            return "not a channel concat"
+        if any(c is None or c % block for c in channels):
+            return f"inputs of {channels} channels, not all multiples of {block}"
+        return None
+    return "no blocked-layout rule"
+
+
+@relax.expr_functor.mutator
+class _RegionEnder(relax.PyExprMutator):
+    def __init__(self, mod, block: int, legalize: dict, ends: Counter) -> None:
+        super().__init__(mod)
+        self.block, self.legalize, self.ends = block, legalize, ends
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.builder_.normalize(super().visit_call_(call))
+        if not isinstance(call.op, tvm.ir.Op) or call.op == _CALL_TIR:
+            return call
+        reason = carry_reason(call, self.block)
+        if reason is None:
+            return call
+        if not any(_channels(a) is not None for a in _tensor_args(call)):
+            reason = ""  # after the regions (a classifier): nothing to end, legalized all the same
+        rule = self.legalize.get(call.op.name) or call.op.get_attr("FLegalize")
+        if rule is None:
+            return call
+        if reason:
+            self.ends[(call.op.name, reason)] += 1
+        return rule(self.builder_, call)
+
+
+def _tensor_args(call: relax.Call) -> list:
+    args = []
+    for arg in call.args:
+        args.extend(arg.fields if isinstance(arg, relax.Tuple) else [arg])
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3c: layout transforms of 1x1 maps are reshapes
+# --------------------------------------------------------------------------------------------
+
+
+@tvm.transform.module_pass(opt_level=0, name="TransformsAsReshapes")
+class _TransformsAsReshapes:
+    """``layout_transform`` between NCHW and ``NCHW{b}c`` of a 1x1 map (the pooled features
+    before a classifier, a squeeze-excitation gate) moves no element: it is a reshape (a view,
+    not a kernel); a reshape of a reshape is one reshape."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                out.update_func(gvar, _ReshapeRewriter(self.block).visit_expr(func))
+        return out
+
+
+@relax.expr_functor.mutator
+class _ReshapeRewriter(relax.PyExprMutator):
+    def __init__(self, block: int) -> None:
+        super().__init__()
+        self.block = block
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.builder_.normalize(super().visit_call_(call))
+        if call.op == _RESHAPE and isinstance(call.args[0], relax.Var):
+            inner = self.builder_.lookup_binding(call.args[0])
+            if isinstance(inner, relax.Call) and inner.op == _RESHAPE:  # one view of the source
+                return relax.op.reshape(inner.args[0], call.args[1])
+            return call
+        if call.op != _LAYOUT_TRANSFORM or call.attrs.pad_value is not None:
+            return call
+        src, dst = call.args[0].ty, call.ty
+        if not (_static(src) and _static(dst)):
+            return call
+        src_shape = [int(d) for d in src.shape.values]
+        if src_shape[2:4] != [1, 1]:
+            return call
+        if _is_blocking(call, self.block) or _is_unblocking(call, self.block):
+            return relax.op.reshape(call.args[0], dst.shape)
+        return call
+
+
+def _static(ty) -> bool:
+    return (isinstance(ty, relax.TensorType) and ty.shape is not None
+            and all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values))
+
+
+def _is_unblocking(call: relax.Call, block: int) -> bool:
+    """``call`` is ``layout_transform`` NCHW{block}c -> NCHW."""
+    index_map = call.attrs.index_map
+    if len(index_map.initial_indices) != 5:
+        return False
+    ref = tvm.tirx.IndexMap.from_func(lambda n, c, h, w, ci: (n, c * block + ci, h, w),
+                                      index_dtype=str(index_map.initial_indices[0].ty))
+    return tvm_ffi.structural_equal(index_map, ref, map_free_vars=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3d: layout transforms of constants, in numpy
+# --------------------------------------------------------------------------------------------
+
+
+@tvm.transform.module_pass(opt_level=0, name="PackConstants")
+class _PackConstants:
+    """``layout_transform(constant)`` -> the transformed constant, computed in numpy (FoldConstant
+    would build and run one kernel per weight: 3 s of a ResNet-50's compile)."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                out.update_func(gvar, _ConstantPacker().visit_expr(func))
+        return out
+
+
+@relax.expr_functor.mutator
+class _ConstantPacker(relax.PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != _LAYOUT_TRANSFORM or not _constant(call.args[0]):
+            return call
+        packed = pack(call.args[0].value.numpy(), call.attrs.index_map, call.attrs.pad_value)
+        return call if packed is None else _const(packed)
+
+
+def pack(array: np.ndarray, index_map: tvm.tirx.IndexMap, pad_value=None) -> np.ndarray | None:
+    """``array`` laid out by ``index_map`` (a bijection of split / fuse / reorder indices), or
+    None where it is not one this evaluates (padding, other expressions)."""
+    if pad_value is not None or len(index_map.initial_indices) != array.ndim:
+        return None
+    shape = [int(d) for d in index_map.map_shape(list(array.shape))]
+    if int(np.prod(shape)) != array.size:
+        return None
+    grid = np.indices(array.shape, dtype=np.int64)
+    env = {var: grid[k] for k, var in enumerate(index_map.initial_indices)}
+    try:
+        final = [np.broadcast_to(_evaluate(e, env), array.shape)
+                 for e in index_map.final_indices]
+    except _NotAffine:
+        return None
+    flat = np.ravel_multi_index(tuple(f.ravel() for f in final), shape)
+    hit = np.zeros(array.size, bool)
+    hit[flat] = True
+    if not hit.all():  # not a bijection: some element written twice, some never
+        return None
+    out = np.empty(array.size, array.dtype)
+    out[flat] = array.ravel()
+    return out.reshape(shape)
+
+
+class _NotAffine(Exception):
+    pass
+
+
+_EVAL = {
+    tvm.tirx.Add: np.add, tvm.tirx.Sub: np.subtract, tvm.tirx.Mul: np.multiply,
+    tvm.tirx.FloorDiv: np.floor_divide, tvm.tirx.FloorMod: np.mod,
+}
+
+
+def _evaluate(expr, env: dict):
+    if isinstance(expr, tvm.tirx.IntImm):
+        return np.int64(expr.value)
+    if isinstance(expr, tvm.tirx.Var):
+        if expr not in env:
+            raise _NotAffine(expr)
+        return env[expr]
+    op = _EVAL.get(type(expr))
+    if op is None:
+        raise _NotAffine(type(expr).__name__)
+    return op(_evaluate(expr.a, env), _evaluate(expr.b, env))
+
+
+# --------------------------------------------------------------------------------------------
 # Step 3b: stems write the blocked layout
 # --------------------------------------------------------------------------------------------
 
@@ -411,6 +696,7 @@ def _stems(func: relax.Function, block: int) -> dict:
 
 
 _LAYOUT_TRANSFORM = tvm.ir.Op.get("relax.layout_transform")
+_RESHAPE = tvm.ir.Op.get("relax.reshape")
 
 
 def _is_blocking(call: relax.Call, block: int) -> bool:
@@ -418,6 +704,8 @@ def _is_blocking(call: relax.Call, block: int) -> bool:
     if call.attrs.pad_value is not None or _channels(call.args[0]) is None:
         return False
     index_map = call.attrs.index_map
+    if len(index_map.initial_indices) != 4:
+        return False
     ref = tvm.tirx.IndexMap.from_func(lambda n, c, h, w: (n, c // block, h, w, c % block),
                                       index_dtype=str(index_map.initial_indices[0].ty))
     return tvm_ffi.structural_equal(index_map, ref, map_free_vars=True)
@@ -485,7 +773,7 @@ class _StemRewriter(relax.PyExprMutator):
 
 def _legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """A blocked conv2d -> our compute (groups 1 or depthwise), else the default legalization
-    (plain layouts) or a plain conv between layout transforms (other blocked convs)."""
+    (plain layouts)."""
     from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
 
     attrs = call.attrs
@@ -502,14 +790,15 @@ def _legalize_conv2d(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     channels = int(data.ty.shape.values[1]) * block
     out_channels = int(weight.ty.shape.values[0]) * block
     if attrs.groups == 1:
-        packed = bb.emit(relax.op.layout_transform(
-            weight, lambda o, i, y, x, oi: (o, i // block, y, x, i % block, oi)))
+        packed = relax.op.layout_transform(
+            weight, lambda o, i, y, x, oi: (o, i // block, y, x, i % block, oi))
+        packed = bb.emit(_ConstantPacker().visit_expr(packed) if _constant(weight) else packed)
         return bb.call_te(conv2d_nchwc, data, packed, **args, primfunc_name_hint=CONV_BLOCK)
     if attrs.groups == channels == out_channels and int(weight.ty.shape.values[1]) == 1:
         return bb.call_te(depthwise_conv2d_nchwc, data, weight, **args,
                           primfunc_name_hint=DEPTHWISE_BLOCK)
-    logger.info("grouped conv2d (groups=%d) stays in NCHW between layout transforms", attrs.groups)
-    return _plain_conv2d(bb, call, block)
+    raise BNFoldError(  # Step 3 legalized every other conv before ConvertLayout
+        f"blocked conv2d with groups={attrs.groups} of {channels} channels has no compute")
 
 
 def _block_of(attrs) -> int | None:
@@ -529,24 +818,6 @@ def _block_of(attrs) -> int | None:
 def _out_dtype(attrs) -> str | None:
     dtype = attrs.out_dtype
     return None if dtype is None or str(dtype) in ("", "void") else str(dtype)
-
-
-def _plain_conv2d(bb: relax.BlockBuilder, call: relax.Call, block: int) -> relax.Expr:
-    """The conv in NCHW / OIHW between layout transforms (legal for any groups)."""
-    from tvm.relax.transform.legalize_ops.nn import _nn_conv2d
-
-    data, weight = call.args
-    nchw = bb.emit(relax.op.layout_transform(
-        data, lambda n, c, y, x, ci: (n, c * block + ci, y, x)))
-    oihw = bb.emit(relax.op.layout_transform(
-        weight, lambda o, i, y, x, oi: (o * block + oi, i, y, x)))
-    attrs = call.attrs
-    plain = relax.op.nn.conv2d(nchw, oihw, attrs.strides, attrs.padding, attrs.dilation,
-                               attrs.groups, "NCHW", "OIHW", "NCHW",
-                               _out_dtype(attrs))
-    out = _nn_conv2d(bb, bb.normalize(plain))
-    out = bb.emit(out)
-    return relax.op.layout_transform(out, lambda n, c, y, x: (n, c // block, y, x, c % block))
 
 
 def _padded(data: te.Tensor, padding) -> te.Tensor:

@@ -34,7 +34,7 @@ from tvm import relax, topi
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
-from . import blocked_layout, chips, conv_schedule, register_pressure
+from . import blocked_layout, canonicalize, chips, conv_schedule, register_pressure
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,9 @@ class FuseEpilogue:
     ``target``: chip name, Chip or tvm Target; None takes the target of the context.
     ``measure``: compile each candidate and count spills (False: the static check only).
     ``blocked``: put the conv2ds in the blocked channel layout first (:mod:`blocked_layout`;
-    False keeps NCHW). None: on every CPU chip (measured against NCHW side by side: faster on
+    False keeps NCHW; True blocks every region it can). None: on every CPU chip, unless the
+    blocked model launches more kernels than in NCHW (its layout transforms at the region
+    boundaries; ``layout_report`` says so) (measured against NCHW side by side: faster on
     avx512; on avx2 0.93-1.06x the time on ResNet-50, MobileNetV2 1.07-1.20x faster).
     ``fast_math``: sigmoid (so silu) and tanh as TVM's polynomial approximations
     (:data:`FAST_MATH`): vector code that can run on the register tile, where libm's scalar
@@ -92,19 +94,48 @@ class FuseEpilogue:
         self.target, self.measure, self.blocked = target, measure, blocked
         self.fast_math = fast_math
         self.report: list[FusionRecord] = []
+        self.layout_report: list[blocked_layout.LayoutRecord] = []
 
     def transform_module(self, mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
         chip = chips.get(self.target)
         blocked = blocked_by_default(chip) if self.blocked is None else self.blocked
         block = chip.lanes("float32") if blocked and chip.kind == "cpu" else None
+        legalize = FAST_MATH if self.fast_math else None
         with chip.target:
             # Phase 1. Graph level: blocked layout, legalize, group each anchor with its epilogue.
-            mod = fuse_graph(mod, block, FAST_MATH if self.fast_math else None)
+            self.layout_report = []
+            fused = fuse_graph(mod, block, legalize, self.layout_report)
+            if block is not None and self.blocked is None:  # never more kernels than NCHW
+                plain = fuse_graph(mod, None, legalize)
+                blocked_n, plain_n = kernel_count(fused), kernel_count(plain)
+                if blocked_n > plain_n:
+                    self.layout_report.append(blocked_layout.LayoutRecord(
+                        "", 0, f"blocked layout not kept: {blocked_n} kernels, {plain_n} in NCHW"))
+                    fused = plain
+            for record in self.layout_report:
+                logger.info("%s", record)
+            mod = fused
             # Phases 2 and 3. Tuned or default schedules, after the register-pressure check.
             mod, self.report = schedule_kernels(mod, chip, self.measure)
         for record in self.report:
             logger.info("%s", record)
         return mod
+
+
+def kernel_count(mod: tvm.IRModule) -> int:
+    """Kernels the Relax functions of a legalized module launch: their ``call_tir`` calls, less
+    the reshapes (views at run time, as TVM's build rewrites them)."""
+    mod = relax.transform.RewriteDataflowReshape()(mod)
+    count = 0
+
+    def visit(expr):
+        nonlocal count
+        count += isinstance(expr, relax.Call) and expr.op == tvm.ir.Op.get("relax.call_tir")
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return count
 
 
 def blocked_by_default(chip: chips.Chip) -> bool:
@@ -151,20 +182,29 @@ def schedule_kernels(
     return mod, records
 
 
-def fuse_graph(mod: tvm.IRModule, block: int | None = None,
-               legalize: dict | None = None) -> tvm.IRModule:
-    """Relax-level fusion: each conv/matmul joins the elementwise ops that only it feeds
-    (``block``: the conv2ds first go to the ``NCHW{block}c`` layout; ``legalize``: op name ->
-    legalization, over TVM's own, e.g. :data:`FAST_MATH`)."""
+def fuse_graph(mod: tvm.IRModule, block: int | None = None, legalize: dict | None = None,
+               layout: list | None = None) -> tvm.IRModule:
+    """Relax-level fusion: the importer's forms canonicalized (:mod:`canonicalize`), then each
+    conv/matmul joins the elementwise ops that only it feeds (``block``: the conv2ds first go to
+    the ``NCHW{block}c`` layout, where the regions end goes to ``layout`` when given;
+    ``legalize``: op name -> legalization, over TVM's own, e.g. :data:`FAST_MATH`)."""
+    mod = canonicalize.Canonicalize()(mod)
     if block is not None:
-        mod = blocked_layout.to_blocked(mod, block, legalize)
-    return tvm.transform.Sequential([
+        mod, records = blocked_layout.to_blocked(mod, block, legalize)
+        if layout is not None:
+            layout.extend(records)
+    return tvm.transform.Sequential(tvm_fusion(legalize))(mod)
+
+
+def tvm_fusion(legalize: dict | None = None) -> list[tvm.transform.Pass]:
+    """TVM's own graph fusion, as its default pipeline runs it."""
+    return [
         relax.transform.LegalizeOps(legalize),
         relax.transform.AnnotateTIROpPattern(),
         relax.transform.FoldConstant(),
         relax.transform.FuseOps(),
         relax.transform.FuseTIR(),
-    ])(mod)
+    ]
 
 
 def _fast_sigmoid(x):

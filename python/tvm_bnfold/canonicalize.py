@@ -1,0 +1,136 @@
+"""Canonicalize: the forms TVM's ONNX importer writes -> the plain ops fusion and the blocked
+layout see through. Each rewrite is exact.
+
+Before (opset-9 ``Sum`` of a residual block, Caffe's ``Scale`` as a rank-3 constant, HardSigmoid)::
+
+    s = R.sum(R.stack([R.broadcast_to(a, S), R.broadcast_to(b, S)], axis=0), axis=[0])
+    y = R.multiply(x, c)                       # c: constant (C, 1, 1), x: (N, C, H, W)
+    g = R.clip(R.add(R.multiply(0.2, x), 0.5), 0, 1)
+
+After::
+
+    s = R.add(a, b)                            # Max / Min likewise: maximum / minimum
+    y = R.multiply(x, c')                      # c': the same values as (1, C, 1, 1)
+    g = R.minimum(R.maximum(R.add(R.multiply(0.2, x), 0.5), 0.0), 1.0)
+
+The stack + reduce of n tensors is one kernel that reads n broadcast copies; the pairwise form
+fuses into the producer's epilogue. ``relax.clip`` has no layout rule (ConvertLayout wraps it in
+two layout transforms); maximum and minimum have one. A constant of lower rank than the tensor
+it broadcasts against is the same constant with leading 1s (NumPy broadcasting), in the rank
+the layout rules expect. Dropout, at inference, is its input.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import tvm
+from tvm import relax
+
+_REDUCE_PAIRWISE = {
+    "relax.sum": relax.op.add,
+    "relax.max": relax.op.maximum,
+    "relax.min": relax.op.minimum,
+}
+_BROADCASTING = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide",
+                 "relax.maximum", "relax.minimum", "relax.power"}
+
+
+@tvm.transform.module_pass(opt_level=0, name="Canonicalize")
+class Canonicalize:
+    """Rewrite the importer's forms of every Relax function; see the module docstring."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                out.update_func(gvar, _Rewriter(mod).visit_expr(func))
+        return relax.transform.DeadCodeElimination()(out)
+
+
+@relax.expr_functor.mutator
+class _Rewriter(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+
+    def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
+        op = super().visit_tuple_getitem_(op)
+        value = self._lookup(op.tuple_value)
+        if (isinstance(value, relax.Call) and value.op == tvm.ir.Op.get("relax.nn.dropout")
+                and op.index == 0):
+            return value.args[0]  # inference: dropout is the identity
+        return op
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else ""
+        if name in _REDUCE_PAIRWISE:
+            return self._pairwise(call, _REDUCE_PAIRWISE[name])
+        if name == "relax.clip":
+            return self._clip(call)
+        if name in _BROADCASTING:
+            return self._ranked(call)
+        return call
+
+    def _lookup(self, expr: relax.Expr):
+        return self.builder_.lookup_binding(expr) if isinstance(expr, relax.Var) else None
+
+    def _pairwise(self, call: relax.Call, binary) -> relax.Expr:
+        """``reduce(stack([broadcast_to(x_i, S)...], 0), axis=0)`` -> pairwise ``binary``."""
+        axes = call.attrs.axis
+        if axes is None or [int(a) for a in axes] != [0] or call.attrs.keepdims:
+            return call
+        stack = self._lookup(call.args[0])
+        if not (isinstance(stack, relax.Call) and stack.op == tvm.ir.Op.get("relax.stack")
+                and int(stack.attrs.axis) == 0):
+            return call
+        fields = stack.args[0]
+        fields = self._lookup(fields) if isinstance(fields, relax.Var) else fields
+        if not isinstance(fields, relax.Tuple) or len(fields.fields) < 2:
+            return call
+        inputs = []
+        for field in fields.fields:
+            value = self._lookup(field)
+            broadcast = isinstance(value, relax.Call) and value.op == tvm.ir.Op.get(
+                "relax.broadcast_to")
+            inputs.append(value.args[0] if broadcast else field)
+        result = functools.reduce(lambda a, b: self.builder_.emit(binary(a, b)), inputs[:-1])
+        out = binary(result, inputs[-1])
+        if not _same_type(self.builder_.normalize(out), call):
+            return call  # the inputs alone do not broadcast to the stacked shape
+        return out
+
+    def _clip(self, call: relax.Call) -> relax.Expr:
+        """``clip(x, lo, hi)`` -> ``minimum(maximum(x, lo), hi)`` (scalar constants)."""
+        x, lo, hi = call.args
+        dtype = str(x.ty.dtype)
+        bounds = (tvm.tirx.IntImm, tvm.tirx.FloatImm)
+        if not all(isinstance(b, bounds) for b in (lo, hi)) or "float" not in dtype:
+            return call
+        low = self.builder_.emit(relax.op.maximum(x, relax.const(float(lo.value), dtype)))
+        return relax.op.minimum(low, relax.const(float(hi.value), dtype))
+
+    def _ranked(self, call: relax.Call) -> relax.Expr:
+        """A constant operand of lower rank (but not 0-d) gets leading 1s up to the other's."""
+        ndim = max((a.ty.ndim for a in call.args if isinstance(a.ty, relax.TensorType)),
+                   default=-1)
+        args, changed = [], False
+        for arg in call.args:
+            if (isinstance(arg, tvm.ir.expr.GenericConst) and 0 < arg.ty.ndim < ndim):
+                value = arg.value.numpy()
+                arg = relax.const(value.reshape((1,) * (ndim - value.ndim) + value.shape),
+                                  str(value.dtype))
+                changed = True
+            args.append(arg)
+        return relax.Call(call.op, args, call.attrs, call.ty_args) if changed else call
+
+
+def _same_type(a: relax.Expr, b: relax.Expr) -> bool:
+    """Both static tensors of one dtype and shape."""
+    shapes = []
+    for ty in (a.ty, b.ty):
+        if not (isinstance(ty, relax.TensorType) and ty.shape is not None
+                and all(isinstance(d, tvm.tirx.IntImm) for d in ty.shape.values)):
+            return False
+        shapes.append((str(ty.dtype), [int(d) for d in ty.shape.values]))
+    return shapes[0] == shapes[1]

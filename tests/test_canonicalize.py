@@ -1,0 +1,138 @@
+"""Canonicalize: the importer's forms become plain ops, exactly; and the blocked layout's graph
+steps that real models need (region ends, 1x1 transforms as views, constants packed in numpy)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from _util import assert_close, function, run, tensor_var
+from tvm_bnfold.bench import op_counts
+from tvm_bnfold.blocked_layout import pack, to_blocked
+from tvm_bnfold.canonicalize import Canonicalize
+
+R = relax.op
+
+
+def _c(array) -> relax.Expr:
+    return relax.const(np.asarray(array, np.float32))
+
+
+@pytest.mark.parametrize(("reduce", "binary"), [(R.sum, "add"), (R.max, "maximum"),
+                                                 (R.min, "minimum")])
+def test_stack_and_reduce_of_three_becomes_pairwise(reduce, binary):
+    shape = (1, 4, 3, 3)
+    params = [tensor_var(n, shape) for n in "abc"]
+
+    def body(bb, *xs):
+        copies = [bb.emit(R.broadcast_to(x, shape)) for x in xs]
+        return reduce(bb.emit(R.stack(copies, axis=0)), axis=[0])
+
+    mod = function(params, body)
+    out = Canonicalize()(mod)
+    counts = op_counts(out)
+    assert counts[binary] == 2 and not counts["stack"] and not counts["broadcast_to"]
+    rng = np.random.default_rng(0)
+    inputs = [rng.normal(size=shape).astype("float32") for _ in params]
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+@pytest.mark.parametrize(("shapes", "pairwise"), [
+    ([(1, 4, 1, 1), (1, 1, 3, 3), (1, 4, 3, 3)], True),  # pairwise broadcasting reaches S
+    ([(1, 4, 1, 1), (1, 4, 1, 1)], False),  # only the broadcast_to makes them (1, 4, 3, 3)
+])
+def test_pairwise_only_where_it_has_the_stacked_shape(shapes, pairwise):
+    params = [tensor_var(n, s) for n, s in zip("abc", shapes, strict=False)]
+
+    def body(bb, *xs):
+        copies = [bb.emit(R.broadcast_to(x, (1, 4, 3, 3))) for x in xs]
+        return R.sum(bb.emit(R.stack(copies, axis=0)), axis=[0])
+
+    mod = function(params, body)
+    out = Canonicalize()(mod)
+    assert (op_counts(out)["stack"] == 0) == pairwise
+    rng = np.random.default_rng(5)
+    inputs = [rng.normal(size=s).astype("float32") for s in shapes]
+    assert_close(run(out, *inputs), run(mod, *inputs))
+
+
+def test_clip_rank3_constant_and_dropout():
+    x = tensor_var("x", (1, 8, 4, 4))
+    scale = np.linspace(0.5, 1.5, 8, dtype=np.float32).reshape(8, 1, 1)
+
+    def body(bb, x):
+        y = bb.emit(R.multiply(x, _c(scale)))  # Caffe's Scale: a (C, 1, 1) constant
+        y = bb.emit(R.clip(y, 0, 6))
+        return relax.TupleGetItem(bb.emit(R.nn.dropout(y, 0.5)), 0)
+
+    mod = function([x], body)
+    out = Canonicalize()(mod)
+    counts = op_counts(out)
+    assert not counts["clip"] and not counts["nn.dropout"]
+    assert counts["maximum"] == counts["minimum"] == 1
+    shapes = [[int(d) for d in c.value.shape] for c in _constants(out) if c.value.ndim]
+    assert shapes == [[1, 8, 1, 1]]
+    data = np.random.default_rng(1).normal(0, 4, (1, 8, 4, 4)).astype("float32")
+    np.testing.assert_array_equal(run(out, data), np.clip(data * scale, 0, 6))
+
+
+def _constants(mod):
+    found = []
+    relax.analysis.post_order_visit(
+        mod["main"], lambda e: found.append(e) if isinstance(e, tvm.ir.expr.GenericConst) else None)
+    return found
+
+
+@pytest.mark.parametrize("shape", [(16, 24, 3, 3), (8, 8, 1, 1), (32, 1, 5, 5)])
+def test_pack_is_the_layout_transform(shape):
+    """Constants packed in numpy equal TVM's own layout_transform of them."""
+    index_map = tvm.tirx.IndexMap.from_func(lambda o, i, h, w: (o // 8, i, h, w, o % 8))
+    array = np.random.default_rng(2).normal(size=shape).astype("float32")
+    want = index_map.map_tensor(tvm.runtime.tensor(array)).numpy()
+    np.testing.assert_array_equal(pack(array, index_map), want)
+
+
+def test_pack_refuses_what_it_cannot_prove_a_bijection():
+    array = np.zeros((6, 4), np.float32)
+    padded = tvm.tirx.IndexMap.from_func(lambda i, j: (i // 4, j, i % 4))  # 6 = 4 + 2: padding
+    assert pack(array, padded) is None
+    assert pack(np.zeros((8, 4), np.float32), padded, pad_value=0.0) is None
+
+
+def test_a_five_d_reshape_ends_the_region_with_a_record():
+    """A channel shuffle (the 5-D reshape ConvertLayout crashed on) between two convs: each conv
+    is blocked, the shuffle runs in NCHW, and the record says where and why."""
+    rng = np.random.default_rng(3)
+    w1 = _c(rng.normal(0, 0.3, (16, 16, 1, 1)))
+    w2 = _c(rng.normal(0, 0.3, (16, 16, 1, 1)))
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1))))
+        y = bb.emit(R.reshape(y, (1, 2, 8, 4, 4)))
+        y = bb.emit(R.reshape(bb.emit(R.permute_dims(y, [0, 2, 1, 3, 4])), (1, 16, 4, 4)))
+        return R.nn.conv2d(y, w2)
+
+    mod = function([tensor_var("x", (1, 16, 4, 4))], body)
+    blocked, records = to_blocked(mod, 8)
+    assert {r.op for r in records} >= {"relax.reshape"}
+    assert all("region ends" in str(r) for r in records)
+    x = rng.normal(size=(1, 16, 4, 4)).astype("float32")
+    assert_close(run(blocked, x), run(mod, x))
+
+
+def test_a_pooled_map_leaves_the_blocked_layout_as_a_view():
+    rng = np.random.default_rng(4)
+    w = _c(rng.normal(0, 0.3, (16, 16, 3, 3)))
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w, padding=1))))
+        return R.reshape(bb.emit(R.mean(y, axis=[2, 3], keepdims=True)), (1, 16))
+
+    mod = function([tensor_var("x", (1, 16, 6, 6))], body)
+    blocked, _ = to_blocked(mod, 8)
+    names = [g.name_hint for g in blocked.functions]
+    assert sum("layout_transform" in n for n in names) == 1  # only the input's, no way back
+    x = rng.normal(size=(1, 16, 6, 6)).astype("float32")
+    assert_close(run(blocked, x), run(mod, x))
