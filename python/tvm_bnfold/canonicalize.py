@@ -45,7 +45,9 @@ class Canonicalize:
         for gvar, func in mod.functions.items():
             if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
                 out.update_func(gvar, _Rewriter(mod).visit_expr(func))
-        return relax.transform.DeadCodeElimination()(out)
+        # Aliases (y = x, where a dropout was) would read as ops to ConvertLayout: none left.
+        return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
+                                         relax.transform.DeadCodeElimination()])(out)
 
 
 @relax.expr_functor.mutator
