@@ -332,6 +332,9 @@ def test_missing_nvcc_raises_tool_missing(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.delenv("CUDA_HOME", raising=False)
     monkeypatch.delenv("CUDA_PATH", raising=False)
     monkeypatch.setattr(rp, "_CUDA_DEFAULT_ROOT", str(tmp_path))
+    # a verdict cached by an earlier test on a machine with nvcc must not answer for it
+    monkeypatch.setenv("TVM_BNFOLD_CACHE", str(tmp_path))
+    monkeypatch.setattr(rp, "SPILLS", rp.SpillCache())
     with pytest.raises(rp.ToolMissing, match="nvcc not found"):
         rp.measure(_gpu_tile(2, 2), "cuda-sm80")
 
