@@ -24,12 +24,15 @@ Step 1 raises the importer's clip kernels back to Relax ops (TVM's ONNX frontend
 channel counts that the block does not divide (MobileNetV2's 24) with zero channels: the
 producing convs get zero output filters, the consuming convs zero weights for those channels,
 so the padded channels never reach a real output (exact for finite activations). Step 3 is
-TVM's ConvertLayout: every conv2d whose channels split into blocks, and the elementwise ops
-between them, move to the blocked layout; layout transforms remain only where the region starts
-or ends (pooling, flatten); a stem conv whose input channels do not block (RGB) then writes
-the blocked layout itself, through its epilogue and max pool. Step 4 legalizes the blocked convs
-with our compute (groups = 1 and depthwise); any other blocked conv gets its layout transformed
-back.
+TVM's ConvertLayout: every conv2d whose channels split into blocks, and the elementwise ops,
+pools, spatial means and channel concats between them, move to the blocked layout. Any other op
+(a 5-D reshape, Resize, ConvTranspose, a grouped conv, anything unknown: :func:`carry_reason`)
+is legalized first, so that ConvertLayout sees an opaque kernel and ends the region there with
+one layout transform, never applying a layout rule that fails or is wrong for it; each such op
+is a :class:`LayoutRecord`. A stem conv whose input channels do not block (RGB) then writes the
+blocked layout itself, through its epilogue and max pool; a transform of a 1x1 map (pooled
+features, a squeeze-excitation gate) is a reshape. Step 4 legalizes the blocked convs with our
+compute (groups = 1 and depthwise).
 """
 
 from __future__ import annotations

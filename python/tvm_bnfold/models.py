@@ -466,15 +466,20 @@ BUILTIN: dict[str, Callable[[], onnx.ModelProto]] = {
 
 
 def get_model(name_or_path: str | os.PathLike | onnx.ModelProto) -> onnx.ModelProto:
-    """A built-in model by name (see ``BUILTIN``), an .onnx file, or a ModelProto as given."""
+    """A built-in model by name (see ``BUILTIN``), a real model of the test corpus by name
+    (``corpus.MODELS``), an .onnx file, or a ModelProto as given."""
+    from . import corpus  # it builds on this module
+
     if isinstance(name_or_path, onnx.ModelProto):
         return name_or_path
     if isinstance(name_or_path, str) and name_or_path in BUILTIN:
         return BUILTIN[name_or_path]()
+    if isinstance(name_or_path, str) and name_or_path in corpus.MODELS:
+        return corpus.MODELS[name_or_path]()
     path = Path(name_or_path)
     if path.exists():
         return _read_onnx(path)
     raise BNFoldError(
         f"unknown model {str(name_or_path)!r}: no such file, and not a built-in model "
-        f"(built-in: {', '.join(BUILTIN)})"
+        f"(built-in: {', '.join(BUILTIN)}; corpus: {', '.join(corpus.MODELS)})"
     )
