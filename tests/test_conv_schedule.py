@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -75,6 +76,13 @@ def _matmul(m, k, n):
     )
 
 
+def _sum_of_stack():
+    """The stock form of ONNX's Sum of two maps: sum(stack([a, b])), a pointwise reduction
+    straight into the function output (3x3: a vector tail on avx2 and avx512)."""
+    params = [tensor_var("a", (1, 64, 3, 3)), tensor_var("b", (1, 64, 3, 3))]
+    return function(params, lambda bb, a, b: R.sum(bb.emit(R.stack([a, b])), axis=[0]))
+
+
 def _conv1d():
     rng = np.random.default_rng(2)
     w, b = _const(rng, (8, 4, 3)), _const(rng, (1, 8, 1), 0.5)
@@ -125,6 +133,7 @@ CASES = {
     "max_pool_stride2": (lambda: _max_pool((1, 8, 15, 22), 2), "reduction"),
     "max_pool_stride1": (lambda: _max_pool((1, 8, 9, 20), 1), "reduction"),
     "max_pool_blocked": (lambda: _max_pool((1, 2, 15, 14, 16), 2, "NCHW16c"), "reduction"),
+    "sum_of_stack": (_sum_of_stack, "reduction"),
 }
 CHIPS = ("avx512", "avx2")
 
@@ -187,6 +196,20 @@ def test_scheduled_kernel_matches_the_unscheduled_one(case, chip, mode):
     assert scheduled.attrs["tirx.is_scheduled"]
     out = _run(scheduled, _host_target(chip), list(_inputs(case)))
     np.testing.assert_allclose(out, _reference(case), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chip", CHIPS)
+def test_a_flattened_output_is_cached_and_written_within_its_bounds(chip):
+    """The register-tile cache of an output whose rows are flattened spans the output, not the
+    tiles' relaxed region: cached after the tiling it had rows past the last (18 for a 3x3 map),
+    and its write-back stored them beyond the output, where parallel chunks raced (a data race
+    at two threads, heap corruption past the buffer's end; one thread hid both)."""
+    func = _kernel("sum_of_stack")
+    assert cs.analyze(func).pointwise and not cs.analyze(func).epilogue
+    for mode in cs.EPILOGUE_MODES:
+        script = cs.schedule(func, chips.get(chip), epilogue=mode).script()
+        locals_ = re.findall(r"sblock_alloc_buffer\(\(([\d, ]+)\), scope=\"local\"\)", script)
+        assert locals_ == ["1, 64, 9"], (mode, locals_)
 
 
 @pytest.mark.parametrize("chip", CHIPS)

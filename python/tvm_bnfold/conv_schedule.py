@@ -674,6 +674,16 @@ def schedule(
 
     # Step 3. Tile: parallel blocks, columns, rows within the block, reduction, register tile.
     block = sch.get_sblock(anchor.block)
+    # A flattened function output gets its local cache (the register tile) before the tiling:
+    # cached after it, the cache would span the tiles' relaxed region, rows past the last, and
+    # its write-back would store them beyond the output (a race between parallel chunks).
+    flat_output = anchor.pointwise and not anchor.epilogue
+    if flat_output:
+        writeback = sch.cache_write(block, 0, "local")
+        local = sch.get(block).writes[0].source
+        flat = _flat_map(anchor, len(anchor.spatial), _index_dtype(local))
+        sch.transform_layout(block, ("write", 0), flat)
+        sch.transform_block_layout(writeback, flat)
     loops = sch.get_loops(block)
     spatial, reduction = loops[:n_spatial], loops[n_spatial:]
     outer, inner = [], []
@@ -707,12 +717,8 @@ def schedule(
     tile_loop = middle[-1]
 
     # Step 5. Accumulate in a local cache (the register tile) and place the epilogue chain.
-    writeback = sch.cache_write(block, 0, "local")
-    if anchor.pointwise and not anchor.epilogue:  # the local cache of the output: flatten too
-        local = sch.get(block).writes[0].source
-        flat = _flat_map(anchor, len(anchor.spatial), _index_dtype(local))
-        sch.transform_layout(block, ("write", 0), flat)
-        sch.transform_block_layout(writeback, flat)
+    if not flat_output:
+        writeback = sch.cache_write(block, 0, "local")
     chain = [sch.get_sblock(name) for name in anchor.epilogue]
     if epilogue == "register" and chain:
         sch.compute_inline(writeback)  # the first epilogue block reads the register tile
