@@ -1,6 +1,9 @@
 """The measurements behind the reports: kernel counts and intermediate bytes on a small graph."""
 
+import io
+import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -115,6 +118,21 @@ def test_interleaved_times_every_callable_in_each_round():
     assert order == (["a"] * runs + ["b"] * runs) * 3  # a, b, a, b, ... not a, a, a, b, b, b
 
 
+def test_busy_neighbour_spins_on_one_core_while_the_block_runs():
+    from tvm_bnfold.bench import busy_neighbour
+
+    cpu = min(os.sched_getaffinity(0))
+    with busy_neighbour(cpu) as proc:
+        assert proc.is_alive() and os.sched_getaffinity(proc.pid) == {cpu}
+        start = time.process_time()
+        time.sleep(0.3)
+        with open(f"/proc/{proc.pid}/stat") as stat:
+            user_ticks = int(stat.read().rsplit(")", 1)[1].split()[11])
+        assert user_ticks > 0  # it burns CPU, not this process
+        assert time.process_time() - start < 0.1
+    assert not proc.is_alive()
+
+
 def test_fast_math_rows_time_exact_and_fast_epilogues_side_by_side():
     chip = chips.get(next(n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here))
     rows = fast_math_rows(chip, repeat=1, channels=16, size=8)
@@ -124,3 +142,20 @@ def test_fast_math_rows_time_exact_and_fast_epilogues_side_by_side():
         assert d_exact == "separate"  # libm calls spill the register tile (the check measures it)
         if chip.name == "avx512":
             assert d_fast == "register", act
+
+
+def test_corpus_table_has_each_runtime_and_the_geomean():
+    from tvm_bnfold.bench import print_corpus
+
+    rows = [dict(model="a", chip="avx2", kernels=5, stock_kernels=7, layout_kernels=0,
+                 max_rel_err=1e-6, ours_ms=2.0, stock_ms=3.0, onnxruntime_ms=4.0),
+            dict(model="b", chip="avx2", kernels=9, stock_kernels=9, layout_kernels=1,
+                 max_rel_err=2e-6, ours_ms=4.0, stock_ms=4.0, onnxruntime_ms=2.0,
+                 openvino_ms=1.0)]
+    out = io.StringIO()
+    print_corpus(rows, out)
+    lines = out.getvalue().splitlines()
+    assert lines[2].split("|")[1:-1] == [" a ", " 2 ", " - ", " 3 ", " 4 ", " - ", " 2.00x ",
+                                         " - ", " 5 (7) ", " 0 ", " 1.0e-06 "]
+    assert "| 0.50x | 0.25x | 9 (9) | 1 |" in lines[3]
+    assert lines[-1] == "geomean ours vs ONNX Runtime: 1.00x over 2 models"

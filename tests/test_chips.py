@@ -1,7 +1,12 @@
-"""Chip presets: names -> targets and register files; raw targets; errors."""
+"""Chips: this machine's, presets (names -> targets and register files), raw targets, errors."""
 
+import os
+import warnings
+
+import numpy as np
 import pytest
 import tvm
+from tvm import relax
 
 from tvm_bnfold import BNFoldError, chips
 
@@ -24,7 +29,7 @@ def test_cuda_presets_have_a_host_and_an_arch():
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(BNFoldError, match=r"unknown chip 'tpu'.*avx512, avx2, aarch64"):
+    with pytest.raises(BNFoldError, match=r"unknown chip 'tpu'.*host, avx512, avx2, aarch64"):
         chips.get("tpu")
 
 
@@ -50,4 +55,63 @@ def test_runs_here_follows_the_host_cpu_flags():
     assert chips.get("avx2").runs_here == ("avx2" in flags)
     assert not chips.get("aarch64").runs_here and not chips.get("cuda-sm80").runs_here
     if "avx2" in flags:
-        assert chips.host_chip().name == ("avx512" if "avx512f" in flags else "avx2")
+        assert chips.host_chip().isa == ("avx512" if "avx512f" in flags else "avx2")
+        assert chips.host_chip().runs_here
+
+
+def test_host_chip_is_this_machine():
+    host = chips.host_chip()
+    assert host.cpu == tvm.target.codegen.llvm_get_system_cpu()
+    assert host.cores == len(os.sched_getaffinity(0)) == chips.usable_cores()
+    assert chips.get("host") is host and chips.get(host.name) is host
+    assert host.name in host.describe() and f"{host.cores} cores" in host.describe()
+
+
+@pytest.fixture
+def fake_host(monkeypatch):
+    """Set what host_chip() reads: LLVM's CPU name, the cpuinfo flags, the usable cores."""
+    def fake(cpu: str, flags: set[str], cores: int) -> chips.Chip:
+        monkeypatch.setattr(tvm.target.codegen, "llvm_get_system_cpu", lambda: cpu)
+        monkeypatch.setattr(chips, "_host_cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(chips, "usable_cores", lambda: cores)
+        chips.host_chip.cache_clear()
+        return chips.host_chip()
+
+    yield fake
+    chips.host_chip.cache_clear()
+
+
+def test_a_host_like_a_preset_is_the_preset(fake_host):
+    """The committed avx512 databases were measured on a 2-core Zen 4: such a host is avx512."""
+    assert fake_host("znver4", {"avx2", "fma", "avx512f"}, 2) is chips.get("avx512")
+
+
+@pytest.mark.parametrize(("cpu", "flags", "cores", "name", "bits", "regs"), [
+    ("znver3", {"avx2", "fma"}, 2, "avx2-znver3-2c", 256, 16),
+    ("znver4", {"avx2", "fma", "avx512f"}, 32, "avx512-znver4-32c", 512, 32),
+    ("sapphirerapids", {"avx2", "fma", "avx512f"}, 4, "avx512-sapphirerapids-4c", 512, 32),
+])
+def test_other_hosts_get_their_own_chip(fake_host, cpu, flags, cores, name, bits, regs):
+    chip = fake_host(cpu, flags, cores)
+    assert (chip.name, chip.vector_bits, chip.vector_regs) == (name, bits, regs)
+    assert chip.target_config == {"kind": "llvm", "mcpu": cpu, "num-cores": cores}
+    assert chip.cpu == cpu and chip.cores == cores and chip.runs_here
+    assert chips.get("host") is chip and chips.get(name) is chip
+    assert chips.get(chip.target) == chip  # a raw Target of it reads the same register file
+
+
+def test_an_unknown_cpu_compiles_generically_with_a_warning(fake_host):
+    with pytest.warns(UserWarning, match="neither AVX2 nor NEON"):
+        chip = fake_host("pentium4", {"sse2"}, 2)
+    assert chip.name == "sse2-generic-2c" and "mcpu" not in chip.target_config
+    assert (chip.vector_bits, chip.vector_regs, chip.isa) == (128, 16, "sse2")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    with bb.function("main", [x]):
+        bb.emit_func_output(bb.emit(relax.op.nn.relu(x)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ex = tvm.compile(bb.get(), target=chip.target)  # compiles and runs here: x86-64 baseline
+    data = np.linspace(-1, 1, 32, dtype="float32").reshape(4, 8)
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](tvm.runtime.tensor(data)).numpy()
+    np.testing.assert_array_equal(out, np.maximum(data, 0))

@@ -65,7 +65,7 @@ def _user_error_cases(tiny: str, tmp_path: Path) -> dict[tuple, str]:
         ("bench", tiny, "--chip", "aarch64"): "cannot run on this machine",
         ("report", "--chips", "avx2,z80", "--models", tiny, "--out", str(tmp_path)):
             "unknown chip 'z80'",
-        ("compile", tiny): "the following arguments are required: --chip",
+        ("compile", tiny): "the following arguments are required: -o/--output",
         ("compile", tiny, "--chip", "avx2", "-o", str(tmp_path / "no/dir/m.so")):
             "output directory does not exist",
         ("tune", tiny, "--chip", "avx2", "--trials", "0"): "--trials must be > 0",
@@ -149,6 +149,18 @@ def test_compile_with_fast_math_stays_within_the_tolerance(tmp_path, capsys):
     assert_close(out, bench.run_once(mod, inputs))
 
 
+def test_compile_defaults_to_this_machine_and_loads_on_every_core(tiny, tmp_path, capsys):
+    so = tmp_path / "host.so"
+    assert cli.main(["compile", tiny, "-o", str(so)]) == 0
+    host = tvm_bnfold.chips.host_chip()
+    assert f"wrote {so} ({host.name}, " in capsys.readouterr().out
+    model = tvm_bnfold.load(so)
+    assert model.threads == tvm_bnfold.chips.usable_cores()
+    mod = load_onnx(tiny)
+    inputs = list(random_inputs(mod).values())
+    assert_close(model(*inputs), bench.run_once(mod, inputs))
+
+
 def test_compile_for_aarch64_cross_compiles_or_names_the_missing_compiler(tiny, tmp_path, capsys):
     so = tmp_path / "arm.so"
     code = cli.main(["compile", tiny, "--chip", "aarch64", "-o", str(so)])
@@ -182,6 +194,12 @@ def test_bench_times_every_variant_and_the_peak(tiny, capsys):
     out = capsys.readouterr().out
     for variant in ("unfused", "stock", "foldbn", "ours", "onnxruntime"):
         assert f" {variant} " in out
+    if tvm_bnfold.chips.usable_cores() > 1:  # ours and ONNX Runtime beside a busy core too
+        assert any("contended ms" in ln for ln in out.splitlines())
+        column = 3 + [key for key, _, _ in bench.COLUMNS].index("contended_ms")
+        for variant in ("ours", "onnxruntime"):
+            (row,) = [ln.split() for ln in out.splitlines() if f" {variant} " in ln]
+            assert float(row[column]) > 0, row  # model, chip, variant, then one cell a column
     peak = float(out.split(f"{bench.PEAK_LABEL}): ")[1].split()[0])
     assert peak > 0
     assert "of the sgemm peak" in out

@@ -135,7 +135,7 @@ CASES = {
     "max_pool_blocked": (lambda: _max_pool((1, 2, 15, 14, 16), 2, "NCHW16c"), "reduction"),
     "sum_of_stack": (_sum_of_stack, "reduction"),
 }
-CHIPS = ("avx512", "avx2")
+CHIPS = [pytest.param(chips.get(n), id=n) for n in ("avx512", "avx2")]
 
 
 @functools.cache
@@ -207,7 +207,7 @@ def test_a_flattened_output_is_cached_and_written_within_its_bounds(chip):
     func = _kernel("sum_of_stack")
     assert cs.analyze(func).pointwise and not cs.analyze(func).epilogue
     for mode in cs.EPILOGUE_MODES:
-        script = cs.schedule(func, chips.get(chip), epilogue=mode).script()
+        script = cs.schedule(func, chip, epilogue=mode).script()
         locals_ = re.findall(r"sblock_alloc_buffer\(\(([\d, ]+)\), scope=\"local\"\)", script)
         assert locals_ == ["1, 64, 9"], (mode, locals_)
 
@@ -297,24 +297,24 @@ def test_kernels_without_a_single_anchor_are_left_alone():
     assert funcs and all(cs.analyze(f) is None for f in funcs.values())
     softmax = next(f for name, f in funcs.items() if "softmax" in name)
     with pytest.raises(BNFoldError, match="reduction blocks"):
-        cs.schedule(softmax, "avx2")
+        cs.schedule(softmax, chips.get("avx2"))
 
 
 def test_an_already_scheduled_kernel_is_left_alone():
-    scheduled = cs.schedule(_kernel("conv3x3_bias_relu"), "avx2")
+    scheduled = cs.schedule(_kernel("conv3x3_bias_relu"), chips.get("avx2"))
     assert cs.analyze(scheduled) is None
 
 
 def test_bad_mode_tile_and_chip_are_clear_errors():
     func = _kernel("conv3x3_bias_relu")
     with pytest.raises(BNFoldError, match="unknown epilogue mode"):
-        cs.schedule(func, "avx2", epilogue="inline")
+        cs.schedule(func, chips.get("avx2"), epilogue="inline")
     with pytest.raises(BNFoldError, match="does not fit"):
-        cs.schedule(func, "avx2", cs.Tile(vec=8, rows=5, lanes=8))
+        cs.schedule(func, chips.get("avx2"), cs.Tile(vec=8, rows=5, lanes=8))
     with pytest.raises(BNFoldError, match="multiple of the chip's 8 lanes"):
-        cs.schedule(func, "avx2", cs.Tile(vec=16, rows=2, lanes=16))
+        cs.schedule(func, chips.get("avx2"), cs.Tile(vec=16, rows=2, lanes=16))
     with pytest.raises(BNFoldError, match="CPU schedule"):
-        cs.schedule(func, "cuda-sm80")
+        cs.schedule(func, chips.get("cuda-sm80"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_register_mode_applies_the_epilogue_to_the_register_tile(chip):
 def test_cache_mode_runs_the_epilogue_per_cache_block():
     func = _kernel("conv3x3_residual")
     anchor = cs.analyze(func)
-    sch = tvm.s_tir.Schedule(cs.schedule(func, "avx2", epilogue="cache"))
+    sch = tvm.s_tir.Schedule(cs.schedule(func, chips.get("avx2"), epilogue="cache"))
     shared = _shared_loops(sch, f"{anchor.block}_update", anchor.epilogue[-1])
     assert len(shared) == 1 and shared[0].kind == tvm.tirx.ForKind.PARALLEL
     writeback = f"{sch.get(sch.get_sblock(f'{anchor.block}_update')).writes[0].source.name}"
@@ -381,7 +381,7 @@ def test_cache_mode_runs_the_epilogue_per_cache_block():
 def test_separate_mode_runs_the_epilogue_after_the_whole_conv():
     func = _kernel("conv3x3_residual")
     anchor = cs.analyze(func)
-    sch = tvm.s_tir.Schedule(cs.schedule(func, "avx2", epilogue="separate"))
+    sch = tvm.s_tir.Schedule(cs.schedule(func, chips.get("avx2"), epilogue="separate"))
     assert _shared_loops(sch, f"{anchor.block}_update", anchor.epilogue[-1]) == []
     assert _loops(sch, anchor.epilogue[-1])[0].kind == tvm.tirx.ForKind.PARALLEL
 
@@ -405,17 +405,17 @@ def test_candidate_tiles_are_largest_first_and_fit(case, chip):
 
 
 def test_live_registers_grow_with_the_tile_and_the_epilogue():
-    anchor = cs.analyze(_kernel("conv3x3_bias_relu"))
+    anchor, avx2 = cs.analyze(_kernel("conv3x3_bias_relu")), chips.get("avx2")
     small, large = cs.Tile(vec=8, rows=1, lanes=8), cs.Tile(vec=16, rows=4, hrows=2, lanes=8)
     assert large.accumulators == 16 and small.accumulators == 1
-    assert cs.live_vector_registers(anchor, large, "avx2") > cs.live_vector_registers(
-        anchor, small, "avx2")
+    assert cs.live_vector_registers(anchor, large, avx2) > cs.live_vector_registers(
+        anchor, small, avx2)
     residual = dataclasses.replace(anchor, epilogue_operands=anchor.epilogue_operands + 1)
     clip = dataclasses.replace(anchor, epilogue_constants=anchor.epilogue_constants + 1)
     for more in (residual, clip):
-        assert cs.live_vector_registers(more, large, "avx2") == cs.live_vector_registers(
-            anchor, large, "avx2") + 1
+        assert cs.live_vector_registers(more, large, avx2) == cs.live_vector_registers(
+            anchor, large, avx2) + 1
     # The real residual kernel needs one register more than the plain one.
     with_residual = cs.analyze(_kernel("conv3x3_residual"))
-    assert cs.live_vector_registers(with_residual, large, "avx2") == cs.live_vector_registers(
-        anchor, large, "avx2") + 1
+    assert cs.live_vector_registers(with_residual, large, avx2) == cs.live_vector_registers(
+        anchor, large, avx2) + 1

@@ -188,11 +188,11 @@ def test_vector_registers_used():
 
 
 def test_static_budget():
-    assert rp.static_budget("avx512") == 30
-    assert rp.static_budget("avx2") == 14
-    assert rp.static_budget("aarch64") == 30
-    assert rp.static_budget("cuda-sm80") == 255 - rp.CUDA_RESERVE
-    assert rp.static_budget("cuda-sm80", "float64") == (255 - rp.CUDA_RESERVE) // 2
+    assert rp.static_budget(chips.get("avx512")) == 30
+    assert rp.static_budget(chips.get("avx2")) == 14
+    assert rp.static_budget(chips.get("aarch64")) == 30
+    assert rp.static_budget(chips.get("cuda-sm80")) == 255 - rp.CUDA_RESERVE
+    assert rp.static_budget(chips.get("cuda-sm80"), "float64") == (255 - rp.CUDA_RESERVE) // 2
     assert rp.static_budget(chips.get("avx2"), "float16") == 14
 
 
@@ -200,7 +200,7 @@ def test_estimate_live_vregs():
     assert rp.estimate_live_vregs(16, 1) == 19
     assert rp.estimate_live_vregs(16, 2, temporaries=5) == 23
     # Default temporaries = the CPU reserve: a tile filling static_budget fills the file.
-    assert rp.estimate_live_vregs(rp.static_budget("avx512"), 0) == 32
+    assert rp.estimate_live_vregs(rp.static_budget(chips.get("avx512")), 0) == 32
     with pytest.raises(BNFoldError, match="accumulators"):
         rp.estimate_live_vregs(-1, 0)
 
@@ -240,7 +240,7 @@ ptxas info    : Used 96 registers, used 0 barriers, 376 bytes cmem[0]
     ],
 )
 def test_small_tile_does_not_spill(chip: str, rows: int, vecs: int):
-    report = rp.measure(_cpu_tile(chip, rows, vecs), chip)
+    report = rp.measure(_cpu_tile(chip, rows, vecs), chips.get(chip))
     assert rp.estimate_live_vregs(rows * vecs, 0, vecs + 1) <= chips.get(chip).vector_regs - 2
     assert report.chip == chip
     assert report.spill_moves == 0 and report.spill_bytes == 0
@@ -255,7 +255,7 @@ def test_small_tile_does_not_spill(chip: str, rows: int, vecs: int):
 def test_oversized_tile_spills(chip: str, rows: int, vecs: int):
     regs = chips.get(chip).vector_regs
     assert rp.estimate_live_vregs(rows * vecs, 0, vecs + 1) > regs + 2
-    report = rp.measure(_cpu_tile(chip, rows, vecs), chip)
+    report = rp.measure(_cpu_tile(chip, rows, vecs), chips.get(chip))
     assert report.spills and report.spill_moves > 0
     assert regs - 2 <= report.registers <= regs
 
@@ -290,9 +290,9 @@ def test_llvm_asm_of_compile_results():
 
 def test_measure_rejects_wrong_kind():
     with pytest.raises(BNFoldError, match="cuda chip"):
-        rp.measure_cpu(_cpu_tile("avx2", 2, 2), "cuda-sm80")
+        rp.measure_cpu(_cpu_tile("avx2", 2, 2), chips.get("cuda-sm80"))
     with pytest.raises(BNFoldError, match="cpu chip"):
-        rp.measure_cuda(_cpu_tile("avx2", 2, 2), "avx2")
+        rp.measure_cuda(_cpu_tile("avx2", 2, 2), chips.get("avx2"))
 
 
 # measured on CUDA (needs nvcc, not a GPU) -------------------------------------------------
@@ -307,7 +307,7 @@ needs_nvcc = pytest.mark.skipif(not _have_nvcc(), reason="nvcc (CUDA toolkit) no
 
 @needs_nvcc
 def test_cuda_small_tile_registers():
-    report = rp.measure(_gpu_tile(2, 2), "cuda-sm80")
+    report = rp.measure(_gpu_tile(2, 2), chips.get("cuda-sm80"))
     assert report.chip == "cuda-sm80"
     assert report.registers is not None and 0 < report.registers <= 255
     assert report.spill_bytes == 0 and not report.spills
@@ -316,7 +316,7 @@ def test_cuda_small_tile_registers():
 @needs_nvcc
 def test_cuda_oversized_tile_spills():
     """256 live accumulators per thread cannot fit in 255 registers."""
-    report = rp.measure(_gpu_tile(16, 16), "cuda-sm90")
+    report = rp.measure(_gpu_tile(16, 16), chips.get("cuda-sm90"))
     assert report.registers == 255
     assert report.spill_bytes > 0 and report.spills
 
@@ -324,7 +324,7 @@ def test_cuda_oversized_tile_spills():
 @needs_nvcc
 def test_cuda_unbound_kernel_is_a_clear_error():
     with pytest.raises(BNFoldError, match=r"main on chip cuda-sm80: .* no CUDA kernel"):
-        rp.measure_cuda(_gemm(8, 8, 8), "cuda-sm80")
+        rp.measure_cuda(_gemm(8, 8, 8), chips.get("cuda-sm80"))
 
 
 def test_missing_nvcc_raises_tool_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -336,7 +336,7 @@ def test_missing_nvcc_raises_tool_missing(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setenv("TVM_BNFOLD_CACHE", str(tmp_path))
     monkeypatch.setattr(rp, "SPILLS", rp.SpillCache())
     with pytest.raises(rp.ToolMissing, match="nvcc not found"):
-        rp.measure(_gpu_tile(2, 2), "cuda-sm80")
+        rp.measure(_gpu_tile(2, 2), chips.get("cuda-sm80"))
 
 
 # spill-verdict cache ------------------------------------------------------------------------
@@ -349,10 +349,10 @@ def test_spill_verdicts_are_cached_in_memory_and_on_disk(monkeypatch, tmp_path):
     real = rp.measure_cpu
     monkeypatch.setattr(rp, "measure_cpu", lambda f, c: builds.append(1) or real(f, c))
     func = _cpu_tile("avx2", 4, 4)
-    first = rp.measure(func, "avx2")
-    assert rp.measure(func.with_attr("global_symbol", "other_name"), "avx2") == first
+    first = rp.measure(func, chips.get("avx2"))
+    assert rp.measure(func.with_attr("global_symbol", "other_name"), chips.get("avx2")) == first
     assert len(builds) == 1 and first.spill_moves > 0
-    assert rp.measure(_cpu_tile("avx2", 2, 2), "avx2").spill_moves == 0
+    assert rp.measure(_cpu_tile("avx2", 2, 2), chips.get("avx2")).spill_moves == 0
     assert len(builds) == 2
     assert list(tmp_path.iterdir()) == [tmp_path / rp.SpillCache.FILE]  # no temporary left
     fresh = rp.SpillCache()  # another process: reads the file

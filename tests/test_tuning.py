@@ -25,12 +25,14 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from _util import assert_close, function, run, tensor_var
-from tvm_bnfold import FuseEpilogue, chips, conv_schedule
+from tvm_bnfold import FuseEpilogue, chips, conv_schedule, tuning
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
 from tvm_bnfold.tuning import (
+    CHIP_FILE,
     DEFAULTS_FILE,
     RECORD_FILE,
     WORKLOAD_FILE,
+    ChipMismatchError,
     DatabaseError,
     InProcessBuilder,
     RegisterBudget,
@@ -38,6 +40,7 @@ from tvm_bnfold.tuning import (
     TuningLockedError,
     apply_database,
     build,
+    find_database,
     kernels,
     load_database,
     register_tile,
@@ -195,6 +198,72 @@ def test_build_warns_once_naming_the_kernels_without_records(tuned):
         ex = build(fother, CHIP, work_dir=work_dir)
     assert len([w for w in caught if "no tuning record" in str(w.message)]) == 1
     assert_close(vm_run(ex, x), run(other, x))
+
+
+# A 2-core Zen 3 host as host_chip() would see it: AVX2 as the avx2 preset, another CPU name.
+ZEN3 = chips.Chip("avx2-znver3-2c", "cpu", {"kind": "llvm", "mcpu": "znver3", "num-cores": 2},
+                  256, 16, "avx2")
+
+
+def test_the_database_names_the_chip_it_was_made_for(tuned):
+    *_, work_dir = tuned
+    entry = json.loads((work_dir / CHIP_FILE).read_text())
+    assert (entry["chip"], entry["cpu"], entry["isa"], entry["cores"]) == ("avx2", "haswell",
+                                                                          "avx2", 2)
+    assert entry["measured_on"] == {"cpu": tvm.target.codegen.llvm_get_system_cpu(),
+                                    "cores": chips.usable_cores()}
+
+
+def test_a_database_of_another_cpu_is_used_with_a_warning_naming_both(tuned):
+    mod, x, _, work_dir = tuned
+    with ZEN3.target:
+        zen3 = FuseEpilogue(ZEN3, measure=False, blocked=True)(mod)
+    with pytest.warns(UserWarning, match=r"database of avx2 \(haswell, AVX2, 2 cores, measured "
+                      r"on .*\) for avx2-znver3-2c \(znver3, AVX2, 2 cores\)"):
+        scheduled, names, _, _ = apply_database(zen3, ZEN3, work_dir)
+    assert names  # its records are used: the workloads are the same on the same ISA
+    assert_close(vm_run(tvm.compile(scheduled, target=ZEN3.target), x), run(mod, x))
+
+
+def test_a_database_of_another_isa_is_refused(tuned):
+    mod, _, _, work_dir = tuned
+    avx512 = chips.get("avx512")
+    with avx512.target:
+        wide = FuseEpilogue(avx512, measure=False, blocked=True)(mod)
+    with pytest.raises(ChipMismatchError, match=r"records for avx2 \(haswell, AVX2.*not usable "
+                       r"for avx512 \(znver4, AVX512, 2 cores\)"):
+        apply_database(wide, avx512, work_dir)
+
+
+def test_a_database_without_a_chip_file_warns_and_a_bad_one_is_an_error(tuned, tmp_path):
+    *_, fmod, work_dir = tuned
+    shutil.copytree(work_dir, tmp_path / "db", ignore=shutil.ignore_patterns(CHIP_FILE))
+    with pytest.warns(UserWarning, match="does not say which chip"):
+        apply_database(fmod, CHIP, tmp_path / "db")
+    (tmp_path / "db" / CHIP_FILE).write_text('{"chip": "avx2"}')
+    with pytest.raises(DatabaseError, match=r"chip.json:1: a chip record needs"):
+        apply_database(fmod, CHIP, tmp_path / "db")
+
+
+def test_tuning_another_chip_into_a_database_is_refused(tuned, tmp_path):
+    *_, fmod, work_dir = tuned
+    shutil.copytree(work_dir, tmp_path / "db")
+    before = (tmp_path / "db" / RECORD_FILE).read_text()
+    with pytest.raises(ChipMismatchError,
+                       match=r"holds the database of avx2 .* tune avx2-znver3-2c"):
+        tune(fmod, ZEN3, tmp_path / "db", max_trials=TRIALS + 4, quiet=True, **SMALL)
+    assert (tmp_path / "db" / RECORD_FILE).read_text() == before
+
+
+def test_a_new_machine_finds_the_committed_database_of_its_isa(tuned, tmp_path, monkeypatch):
+    *_, work_dir = tuned
+    monkeypatch.setattr(tuning, "TUNING_LOGS", tmp_path)
+    shutil.copytree(work_dir, tmp_path / "avx2" / "tiny")
+    assert find_database(ZEN3, "tiny") == tmp_path / "avx2" / "tiny"  # no database of its own
+    assert find_database(chips.get("avx512"), "tiny") is None  # another ISA: none
+    assert find_database(ZEN3, "other") is None
+    shutil.copytree(work_dir, tmp_path / ZEN3.name / "tiny")
+    assert find_database(ZEN3, "tiny") == tmp_path / ZEN3.name / "tiny"  # its own comes first
 
 
 def test_register_budget_discards_a_huge_register_tile():

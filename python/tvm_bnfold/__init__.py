@@ -6,7 +6,8 @@ from .errors import BNFoldError
 from .fold_bn import FoldBN, FoldRecord
 from .fuse_epilogue import FuseEpilogue, FusionRecord
 from .models import load_onnx
+from .runtime import Model, load, set_threads
 from .tuning import build, tune
 
-__all__ = ["BNFoldError", "FoldBN", "FoldRecord", "FuseEpilogue", "FusionRecord", "build", "chips",
-           "load_onnx", "tune"]
+__all__ = ["BNFoldError", "FoldBN", "FoldRecord", "FuseEpilogue", "FusionRecord", "Model", "build",
+           "chips", "load", "load_onnx", "set_threads", "tune"]

@@ -8,6 +8,8 @@ side per chip that runs here (medians of interleaved rounds, one process).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import os
 import statistics
 import sys
@@ -23,7 +25,7 @@ import tvm
 from tvm import relax
 from tvm.script import tirx as T
 
-from . import chips, fuse_epilogue
+from . import chips, corpus, fuse_epilogue, runtime
 from .fold_bn import FoldBN
 from .fuse_epilogue import (
     FuseEpilogue,
@@ -33,7 +35,7 @@ from .fuse_epilogue import (
     tvm_fusion,
 )
 from .models import BUILTIN, load_onnx, random_inputs
-from .tuning import RECORD_FILE, build, database_dir
+from .tuning import build, find_database
 
 # Variant key -> label, in table order.
 VARIANTS = {
@@ -47,11 +49,6 @@ VARIANTS = {
     "onnxruntime": "ONNX Runtime",
 }
 NOT_RUN = "not run: no device"
-
-
-def use_all_cores() -> None:
-    """TVM's runtime uses half the hardware threads on x86 (1 of 2 here) unless told otherwise."""
-    os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,7 +222,7 @@ def fma_peak(chip, iters: int = 1 << 20, repeat: int = 5) -> float:
     half its vector registers as accumulators (enough independent FMAs to cover their latency),
     one chain per TVM thread; the fastest of ``repeat`` runs. No kernel of TVM's can go faster."""
     chip = chips.get(chip)
-    threads = tvm.get_global_func("runtime.NumThreads")()
+    threads = runtime.current_threads()
     lanes, accumulators = chip.lanes(), chip.vector_regs // 2
     ex = tvm.compile(tvm.IRModule({"main": fma_kernel(lanes, accumulators, iters, threads)}),
                      target=chip.target)
@@ -258,7 +255,7 @@ def _ort_matmul(n: int):
                                    "sgemm", [a, b], [c])
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     options = ort.SessionOptions()
-    options.intra_op_num_threads = os.cpu_count() or 1
+    options.intra_op_num_threads = chips.usable_cores()
     return ort.InferenceSession(model.SerializeToString(), options,
                                 providers=["CPUExecutionProvider"])
 
@@ -272,6 +269,7 @@ def tvm_runner(mod, inputs: list[np.ndarray], target) -> tuple[Callable[[], obje
     """A callable that runs ``main`` of an IRModule (built here) or a built executable, and
     its output."""
     ex = tvm.compile(mod, target=target) if isinstance(mod, tvm.IRModule) else mod
+    runtime.set_threads()
     vm = relax.VirtualMachine(ex, tvm.cpu())
     args = [tvm.runtime.tensor(x) for x in inputs]
     return (lambda: vm["main"](*args)), vm["main"](*args).numpy()
@@ -288,7 +286,7 @@ def onnxruntime_session(model: onnx.ModelProto, threads: int | None = None,
         return None
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.intra_op_num_threads = threads or os.cpu_count() or 1
+    options.intra_op_num_threads = threads or chips.usable_cores()
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
@@ -306,24 +304,123 @@ def onnxruntime_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
     return (lambda: session.run(None, feed)), session.run(None, feed)[0]
 
 
+def openvino_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
+    """OpenVINO on the CPU (f32, one stream, one thread per core): a callable that runs it and
+    its output, or None when openvino is not installed (an optional peer)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return None
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(model.SerializeToString(), b""), "CPU", {
+        "INFERENCE_PRECISION_HINT": "f32", "NUM_STREAMS": "1",
+        "INFERENCE_NUM_THREADS": str(chips.usable_cores())})
+    request = compiled.create_infer_request()
+    return (lambda: request.infer(inputs)), next(iter(request.infer(inputs).values()))
+
+
+def corpus_rows(chip: chips.Chip, names: list[str], repeat: int,
+                progress: Callable[[str], None] | None = None) -> list[dict]:
+    """The real models of :mod:`corpus` on ``chip`` (it must run here), batch 1: ours
+    (FoldBN + FuseEpilogue), tuned where ``tuning_logs/<chip>/<model>/`` exists, stock TVM
+    fusion, ONNX Runtime and OpenVINO (when installed), timed interleaved in one process."""
+    from .models import get_model
+
+    say = progress or (lambda _msg: None)
+    rows = []
+    for name in names:
+        say(f"{chip.name}/{name}: building")
+        proto = get_model(name)
+        mod = load_onnx(proto)
+        found = variants(mod, chip, baselines=("stock",))
+        inputs = list(random_inputs(mod).values())
+        runners = {v: tvm_runner(found[v].mod, inputs, chip.target) for v in ("ours", "stock")}
+        tuned = build_tuned(found["ours"].mod, chip, name)
+        if tuned is not None:
+            runners["tuned"] = tvm_runner(tuned, inputs, chip.target)
+        for peer, make in (("onnxruntime", onnxruntime_runner), ("openvino", openvino_runner)):
+            runner = make(proto, inputs)
+            if runner is not None:
+                runners[peer] = runner
+        say(f"{chip.name}/{name}: timing {', '.join(runners)}")
+        timed = interleaved({k: run for k, (run, _) in runners.items()}, repeat)
+        ref = runners["stock"][1]
+        row = dict(model=name, chip=chip.name, kernels=kernel_count(found["ours"].mod),
+                   stock_kernels=kernel_count(found["stock"].mod),
+                   layout_kernels=layout_kernel_count(found["ours"].mod),
+                   max_rel_err=float(np.abs(runners["ours"][1] - ref).max() / np.abs(ref).max()))
+        row.update({f"{k}_ms": timed[k][0] * 1e3 for k in runners})
+        rows.append(row)
+    return rows
+
+
+def print_corpus(rows: list[dict], file=None) -> None:
+    """The corpus table: latency per runtime, ours vs each peer, kernels ours / stock."""
+    columns = ["ours", "tuned", "stock", "onnxruntime", "openvino"]
+    out = file or sys.stdout
+    print("| model | " + " | ".join(f"{c} ms" for c in columns)
+          + " | ours vs ONNX Runtime | ours vs OpenVINO | kernels (stock) | layout | max rel err |",
+          file=out)
+    print("|---" * (len(columns) + 6) + "|", file=out)
+    ratios = []
+    for r in rows:
+        cells = [_num(r[f"{c}_ms"]) if r.get(f"{c}_ms") else "-" for c in columns]
+        vs = [f"{r[f'{p}_ms'] / r['ours_ms']:.2f}x" if r.get(f"{p}_ms") else "-"
+              for p in ("onnxruntime", "openvino")]
+        if r.get("onnxruntime_ms"):
+            ratios.append(r["onnxruntime_ms"] / r["ours_ms"])
+        print(f"| {r['model']} | " + " | ".join(cells) + f" | {vs[0]} | {vs[1]} | "
+              f"{r['kernels']} ({r['stock_kernels']}) | {r['layout_kernels']} | "
+              f"{r['max_rel_err']:.1e} |", file=out)
+    if ratios:
+        print(f"\ngeomean ours vs ONNX Runtime: {statistics.geometric_mean(ratios):.2f}x "
+              f"over {len(ratios)} models", file=out)
+
+
 #: Untimed runs before each timed run: the previous variant's thread pool (TVM's, ONNX
 #: Runtime's) spins for a while after its last run and takes the cores from this one.
 WARMUP = 2
 
 
-def interleaved(runs: dict[str, Callable[[], object]], repeat: int) -> dict[str, tuple]:
+def interleaved(runs: dict[str, Callable[[], object]], repeat: int, warmup: int = WARMUP
+                ) -> dict[str, tuple]:
     """(median s, p90 s) of each callable over ``repeat`` rounds; each round times every one
-    once, after :data:`WARMUP` untimed runs of it, so that a machine that slows down or speeds
+    once, after ``warmup`` untimed runs of it, so that a machine that slows down or speeds
     up during the measurement (shared hosts do) weighs on all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(max(repeat, 1)):
         for name, run in runs.items():
-            for _ in range(WARMUP):
+            for _ in range(warmup):
                 run()
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
     return {name: (statistics.median(t), float(np.percentile(t, 90))) for name, t in times.items()}
+
+
+#: The variants timed again with a neighbour (:func:`busy_neighbour`), back to back.
+CONTENDED = ("ours", "tuned", "onnxruntime")
+
+
+def _spin(cpu: int) -> None:
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_neighbour(cpu: int | None = None):
+    """A busy-loop process pinned to one core (default: the last this process may use) while
+    the block runs: the other work a deployment shares its machine with."""
+    cpu = max(os.sched_getaffinity(0)) if cpu is None else cpu
+    proc = multiprocessing.get_context("fork").Process(target=_spin, args=(cpu,), daemon=True)
+    proc.start()
+    time.sleep(0.2)  # it is spinning before the first timed run
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.join()
 
 
 def run_once(mod: tvm.IRModule, inputs: list[np.ndarray], target="llvm") -> np.ndarray:
@@ -451,10 +548,9 @@ def fast_math_rows(chip: chips.Chip, repeat: int, channels: int = 64, size: int 
 
 
 def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
-    """``tuning_logs/<chip>/<model>/`` when it holds a MetaSchedule database, else None."""
-    path = database_dir(chip, model=model)
-    records = path / RECORD_FILE
-    return path if records.is_file() and records.stat().st_size > 0 else None
+    """The tuning database ``build`` uses for the chip's ``model`` (see
+    :func:`tuning.find_database`), else None."""
+    return find_database(chip, model)
 
 
 def build_tuned(mod: tvm.IRModule, chip: chips.Chip, model: str):
@@ -497,7 +593,9 @@ def compare(
     and the variants. Latency and error only where the chip runs here (else ``latency`` is
     :data:`NOT_RUN`); the tuned row only with a tuning database; ONNX Runtime only with
     ``onnx_model``, onnxruntime installed and the chip running here. ``baselines``: which of
-    unfused/stock/foldbn/nchw to include; the first is the reference for the error."""
+    unfused/stock/foldbn/nchw to include; the first is the reference for the error. With two
+    cores or more, ours, tuned and ONNX Runtime are timed again beside a busy core
+    (:func:`busy_neighbour`), back to back without warm-up runs: ``contended_ms``."""
     say = progress or (lambda _msg: None)
     runs = chip.runs_here and chip.kind == "cpu"
     say(f"{chip.name}/{name}: transforming (FoldBN, FuseEpilogue, baselines)")
@@ -547,6 +645,15 @@ def compare(
             (median, p90), out = timed[row["variant"]], runners[row["variant"]][1]
             row.update(median_ms=median * 1e3, p90_ms=p90 * 1e3,
                        max_abs_err=float(np.abs(out - ref).max()))
+        contended = [k for k in CONTENDED if k in runners]
+        if chips.usable_cores() > 1 and contended:
+            say(f"{chip.name}/{name}: timing {', '.join(contended)} beside a busy core, "
+                "back to back")
+            with busy_neighbour():
+                beside = interleaved({k: runners[k][0] for k in contended}, repeat, warmup=0)
+            for row in rows:
+                if row["variant"] in beside:
+                    row["contended_ms"] = beside[row["variant"]][0] * 1e3
     refs = {r["variant"]: r.get("median_ms") for r in rows}
     for row in rows:
         if runs:
@@ -572,6 +679,7 @@ def _num(value: float) -> str:
 COLUMNS = [
     ("median_ms", "median ms", _num),
     ("p90_ms", "p90 ms", _num),
+    ("contended_ms", "contended ms", _num),
     ("speedup_vs_unfused", "vs unfused", "{:.2f}x"),
     ("speedup_vs_stock", "vs stock", "{:.2f}x"),
     ("kernels", "kernels", "{}"),
@@ -621,12 +729,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(BUILTIN),
                         help="comma-separated built-in models ('': the epilogue section only)")
-    parser.add_argument("--chips", default=",".join(
-        n for n in ("avx512", "avx2") if chips.PRESETS[n].runs_here), help="chips that run here")
+    parser.add_argument("--chips", default="host",
+                        help="comma-separated chips that run here (default: host, this machine)")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--corpus", default=",".join(
+        n for n in corpus.MODELS if n != "vgg19"),
+        help="comma-separated real models of the corpus ('': none)")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
-    use_all_cores()
+    runtime.set_threads()
 
     print("## FoldBN")
     print(f"{'model':<12} {'BN before':>9} {'BN after':>8} {'convs':>11} "
@@ -643,24 +754,31 @@ def main(argv: list[str] | None = None) -> None:
 
     peak = sgemm_peak()
     print(f"\n## Practical peak ({PEAK_LABEL}): {peak:.1f} GFLOP/s")
-    fma = {name: fma_peak(name) for name in args.chips.split(",")}
+    targets = [chips.get(c) for c in args.chips.split(",") if c]
+    print(f"## Chips: {'; '.join(c.describe() for c in targets)}")
+    fma = {chip.name: fma_peak(chip) for chip in targets}
     print(f"## {fma_summary(fma)}")
     print("\n## Variants (batch 1, fp32; median of "
           f"{args.repeat} interleaved rounds, one process)")
     for name in models:
-        for chip_name in args.chips.split(","):
+        for chip in targets:
             proto = BUILTIN[name]()
             mod = load_onnx(proto)
-            rows, _ = compare(mod, name, chips.get(chip_name), args.repeat, proto)
+            rows, _ = compare(mod, name, chip, args.repeat, proto)
             print_rows(rows)
-            print_peak(rows, model_flops(mod) / 1e9, peak, fma[chip_name])
+            print_peak(rows, model_flops(mod) / 1e9, peak, fma[chip.name])
+
+    names = [m for m in args.corpus.split(",") if m]
+    for chip in targets if names else ():
+        print(f"\n## Real models ({chip.name}, batch 1, fp32, native input sizes; median of "
+              f"{args.repeat} interleaved rounds)")
+        print_corpus(corpus_rows(chip, names, args.repeat))
 
     print("\n## Epilogues of libm functions: 3x3 conv 64->64 on 56x56 + bias + activation, "
           "FuseEpilogue exact vs fast_math=True")
-    for chip_name in args.chips.split(","):
-        for act, exact, fast, (d_exact, d_fast), diff in fast_math_rows(
-                chips.get(chip_name), args.repeat):
-            print(f"{chip_name:<8} {act:<8} exact {exact * 1e3:7.3f} ms ({d_exact}), fast_math "
+    for chip in targets:
+        for act, exact, fast, (d_exact, d_fast), diff in fast_math_rows(chip, args.repeat):
+            print(f"{chip.name:<8} {act:<8} exact {exact * 1e3:7.3f} ms ({d_exact}), fast_math "
                   f"{fast * 1e3:7.3f} ms ({d_fast}): {exact / fast:.2f}x, max rel diff {diff:.1e}")
 
 

@@ -1,12 +1,16 @@
-"""Named chip presets: a TVM target plus the register-file facts the fusion decisions need.
+"""Chips: a TVM target plus the register-file facts the fusion decisions need.
 
-    chips.target("avx512")   # tvm.target.Target for llvm znver4
+    chips.host_chip()        # this machine: LLVM's name for its CPU, its ISA, the usable cores
+    chips.target("avx512")   # a preset, for cross-compiling and the reports: llvm znver4, 2 cores
     chips.get("avx2").vector_regs   # 16
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import platform
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +43,29 @@ class Chip:
             return tvm.target.Target(self.target_config, host=self.host)
         return tvm.target.Target(self.target_config)
 
+    @property
+    def cpu(self) -> str:
+        """LLVM's name of the CPU the code is made for (``generic`` when the target names none)."""
+        return str(self.target_config.get("mcpu") or self.target_config.get("arch") or "generic")
+
+    @property
+    def cores(self) -> int:
+        """The cores the code is parallelized for (the target's ``num-cores``; 1 on CUDA)."""
+        return int(self.target_config.get("num-cores", 1))
+
+    @property
+    def isa(self) -> str:
+        """The vector ISA: ``avx512``, ``avx2``, ``sse2``, ``neon``, or the CUDA arch."""
+        if self.kind == "cuda":
+            return self.cpu
+        if str(self.target_config.get("mtriple", "")).startswith("aarch64"):
+            return "neon"
+        return {512: "avx512", 256: "avx2"}.get(self.vector_bits, "sse2")
+
+    def describe(self) -> str:
+        """One line for reports and warnings: ``avx2 (haswell, AVX2, 2 cores)``."""
+        return f"{self.name} ({self.cpu}, {self.isa.upper()}, {self.cores} cores)"
+
     def lanes(self, dtype: str = "float32") -> int:
         """Elements of ``dtype`` per vector register (1 on CUDA: registers are scalar)."""
         if self.kind == "cuda":
@@ -70,9 +97,11 @@ def get(chip: str | Chip | tvm.target.Target | None = None) -> Chip:
     if isinstance(chip, Chip):
         return chip
     if isinstance(chip, str):
-        if chip not in PRESETS:
-            raise BNFoldError(f"unknown chip {chip!r}; known chips: {', '.join(PRESETS)}")
-        return PRESETS[chip]
+        if chip in PRESETS:
+            return PRESETS[chip]
+        if chip in ("host", host_chip().name):
+            return host_chip()
+        raise BNFoldError(f"unknown chip {chip!r}; known chips: host, {', '.join(PRESETS)}")
     target = chip if chip is not None else tvm.target.Target.current(allow_none=True)
     if target is None:
         raise BNFoldError(
@@ -81,12 +110,44 @@ def get(chip: str | Chip | tvm.target.Target | None = None) -> Chip:
     return _from_target(target)
 
 
+#: The register file of each CPU ISA: (vector bits, vector registers).
+_REGISTER_FILES = {"avx512": (512, 32), "avx2": (256, 16), "neon": (128, 32), "sse2": (128, 16)}
+
+
+@functools.cache
 def host_chip() -> Chip:
-    """The widest preset this machine runs (avx512 where the CPU has it, else avx2)."""
-    for name in ("avx512", "avx2"):
-        if PRESETS[name].runs_here:
-            return PRESETS[name]
-    raise BNFoldError("this CPU runs none of the presets (avx512, avx2)")
+    """This machine: LLVM's name for its CPU, the vector ISA its flags show, and the cores this
+    process may use. A preset with the same CPU and cores is returned as itself (its tuning
+    databases were measured on such a machine); else a chip named ``<isa>-<cpu>-<cores>c``.
+    A CPU without AVX2 (x86) or NEON (aarch64) gets a generic target and a warning."""
+    cpu = tvm.target.codegen.llvm_get_system_cpu()
+    cores = usable_cores()
+    flags = _host_cpu_flags()
+    if platform.machine() in ("aarch64", "arm64"):
+        config = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": cpu, "num-cores": cores}
+        isa, needs = "neon", "asimd"
+    elif "avx512f" in flags:
+        config, isa, needs = {"kind": "llvm", "mcpu": cpu, "num-cores": cores}, "avx512", "avx512f"
+    elif {"avx2", "fma"} <= flags:
+        config, isa, needs = {"kind": "llvm", "mcpu": cpu, "num-cores": cores}, "avx2", "avx2"
+    else:
+        warnings.warn(f"this CPU ({cpu!r}, {platform.machine()}) has neither AVX2 nor NEON: "
+                      "compiling for a generic target with the default schedules' 128-bit "
+                      "vectors", stacklevel=2)
+        config, isa, needs = {"kind": "llvm", "num-cores": cores}, "sse2", None
+    for preset in PRESETS.values():
+        if preset.kind == "cpu" and preset.target_config == config:
+            return preset
+    bits, regs = _REGISTER_FILES[isa]
+    return Chip(f"{isa}-{cpu if needs else 'generic'}-{cores}c", "cpu", config, bits, regs, needs)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 @functools.cache
@@ -95,7 +156,8 @@ def _host_cpu_flags() -> frozenset[str]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    # x86 lists "flags", aarch64 "Features"
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
     return frozenset(line.partition(":")[2].split())
 
 
@@ -106,19 +168,23 @@ def target(chip: str | Chip | tvm.target.Target) -> tvm.target.Target:
     return get(chip).target
 
 
+def _same_target(config: dict, attrs: dict[str, str]) -> bool:
+    """The target's attributes name this config (a target without num-cores takes the config's)."""
+    return all(str(v) == attrs.get(k, str(v) if k == "num-cores" else None)
+               for k, v in config.items() if k != "kind")
+
+
 _AVX512_CPUS = {"znver4", "znver5", "skylake-avx512", "icelake-server", "sapphirerapids"}
 
 
 def _from_target(target: tvm.target.Target) -> Chip:
-    """A Chip for a raw Target: the matching preset, else register facts read off the target."""
+    """A Chip for a raw Target: the matching preset or this machine's chip, else register facts
+    read off the target."""
     kind = target.kind.name
     attrs = {k: str(v) for k, v in target.attrs.items()}
-    for preset in PRESETS.values():
-        cfg = preset.target_config
-        if cfg["kind"] == kind and all(
-            str(cfg[k]) == attrs.get(k) for k in ("mcpu", "arch", "mtriple") if k in cfg
-        ):
-            return preset
+    for chip in (*PRESETS.values(), host_chip()):
+        if chip.target_config["kind"] == kind and _same_target(chip.target_config, attrs):
+            return chip
     config = dict(target.export())
     host = config.pop("host", None)
     name = f"{kind}-{attrs.get('arch') or attrs.get('mcpu') or 'generic'}"

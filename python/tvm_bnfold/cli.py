@@ -15,7 +15,7 @@ from pathlib import Path
 
 import tvm
 
-from . import bench, chips, report, rpc, tuning
+from . import bench, chips, report, rpc, runtime, tuning
 from .errors import BNFoldError
 from .fold_bn import FoldBN
 from .fuse_epilogue import FuseEpilogue
@@ -38,14 +38,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Fold inference BatchNorm into conv/dense weights and fuse conv epilogues "
                     "on the register tile, for Apache TVM (Relax).",
         epilog=f"MODEL: an ONNX file or a built-in model ({', '.join(BUILTIN)}). "
-               f"Chips: {', '.join(chips.PRESETS)}. `{PROG} COMMAND --help` explains each.",
+               f"Chips: host (this machine, the default), {', '.join(chips.PRESETS)}. "
+               f"`{PROG} COMMAND --help` explains each.",
     )
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log every decision; show tracebacks of internal errors")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                 parser_class=_Parser)
     model_help = f"an ONNX file or a built-in model ({', '.join(BUILTIN)})"
-    chip_help = f"chip preset ({', '.join(chips.PRESETS)})"
+    chip_help = (f"host (this machine: its CPU, ISA and cores; the default) or a preset for "
+                 f"cross-compiling ({', '.join(chips.PRESETS)})")
 
     p = sub.add_parser("fold", help="run FoldBN; print what folded into what, and what not and why",
                        description="Run FoldBN on MODEL and print one line per BatchNorm: the "
@@ -55,10 +57,10 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="FoldBN + FuseEpilogue (+ tuned schedules) -> a .so",
                        description="FoldBN + FuseEpilogue, with the tuned schedules of "
                                    "tuning_logs/<chip>/<model>/ when present, exported with "
-                                   "export_library. Load it with tvm.runtime.load_module and "
-                                   "run it with relax.VirtualMachine.")
+                                   "export_library. Run it with tvm_bnfold.load(path) (every "
+                                   "core), or relax.VirtualMachine.")
     p.add_argument("model", metavar="MODEL", help=model_help)
-    p.add_argument("--chip", required=True, help=chip_help)
+    p.add_argument("--chip", default="host", help=chip_help)
     p.add_argument("-o", "--output", required=True, help="the shared library to write (.so)")
     p.add_argument("--fast-math", action="store_true",
                    help="sigmoid/silu/tanh epilogues as polynomials (FuseEpilogue fast_math)")
@@ -69,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "database goes to tuning_logs/<chip>/<model>/ (or --work-dir)"
                                    "; compile, bench, report and demo pick it up.")
     p.add_argument("model", metavar="MODEL", help=model_help)
-    p.add_argument("--chip", required=True, help=chip_help)
+    p.add_argument("--chip", default="host", help=chip_help)
     p.add_argument("--trials", type=int, required=True, help="total trial budget (> 0)")
     p.add_argument("--work-dir", help="database directory (default tuning_logs/<chip>/<model>)")
     p.add_argument("--rpc-tracker", metavar="HOST:PORT", help="measure on TVM RPC servers")
@@ -86,14 +88,14 @@ def _parser() -> argparse.ArgumentParser:
                                    "tuning_logs/ has it) and ONNX Runtime, side by side; "
                                    "kernels, bytes, registers and errors too.")
     p.add_argument("model", metavar="MODEL", help=model_help)
-    p.add_argument("--chip", help=chip_help + "; must run here (default: the host's widest)")
+    p.add_argument("--chip", help=chip_help + "; must run here")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per variant (median)")
 
     p = sub.add_parser("report", help="comparison report across chips: report.md/.html + plots",
                        description="Write report.md, a self-contained report.html and PNG "
                                    "plots to --out. Chips that cannot run here get static "
                                    "columns only and 'not run: no device' for latency.")
-    p.add_argument("--chips", help="comma-separated chip presets (default: the host's widest)")
+    p.add_argument("--chips", help="comma-separated chips: host (the default) and presets")
     p.add_argument("--models", default=",".join(BUILTIN),
                    help="comma-separated models (ONNX files or built-in names)")
     p.add_argument("--out", required=True, help="output directory, e.g. reports/NAME")
@@ -105,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "tuning_logs/ has the host chip), max error, and a small "
                                    "report in --out.")
     p.add_argument("--model", default="resnet50", help=model_help)
-    p.add_argument("--chip", help="a chip that runs here (default: the host's widest)")
+    p.add_argument("--chip", help="a chip that runs here (default: host, this machine)")
     p.add_argument("--out", default="reports/demo", help="report directory (default %(default)s)")
     p.add_argument("--repeat", type=int, default=10, help="timed runs per variant (median)")
     return parser
@@ -113,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    bench.use_all_cores()
+    runtime.set_threads()
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR, format="%(levelname)s %(message)s"
     )
@@ -142,7 +144,7 @@ def _one_line(err: BaseException) -> str:
 
 
 def _run_chip(name: str | None) -> chips.Chip:
-    """A chip that runs here: ``name`` or the host's widest."""
+    """A chip that runs here: ``name`` or this machine's."""
     chip = chips.get(name) if name else chips.host_chip()
     if not (chip.runs_here and chip.kind == "cpu"):
         raise BNFoldError(

@@ -22,7 +22,7 @@ function is narrowed to int32 indices so its partition hints survive) and runs a
 vector.
 
     anchor = analyze(func)                 # None: not a single-reduction kernel, left alone
-    tiles = candidate_tiles(anchor, "avx512")
+    tiles = candidate_tiles(anchor, chips.get("avx512"))
     func = schedule(func, "avx512", tiles[0], epilogue="register")
 """
 
@@ -434,10 +434,9 @@ def _extent(anchor: Anchor, axis: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
+def candidate_tiles(anchor: Anchor, chip: chips.Chip) -> list[Tile]:
     """Register tiles that fit the chip's vector registers: the best first, then progressively
     smaller ones (fewer accumulators), for a register-pressure check to walk down."""
-    chip = chips.get(chip)
     knobs = _Knobs.of(chip, anchor.dtype)
     if anchor.blocked:
         return _blocked_tiles(anchor, knobs)
@@ -463,7 +462,8 @@ def candidate_tiles(anchor: Anchor, chip) -> list[Tile]:
     return [_with_block_rows(anchor, t, knobs) for t in out]
 
 
-def live_vector_registers(anchor: Anchor, tile: Tile, chip, broadcasts_live: bool = False) -> int:
+def live_vector_registers(anchor: Anchor, tile: Tile, chip: chips.Chip,
+                          broadcasts_live: bool = False) -> int:
     """Static estimate of the vector registers the fused kernel keeps live: the accumulator
     tile, the epilogue's operands (bias, residual) and constants (0 of relu, 0 and 6 of clip),
     and the temporaries of one reduction step (input vectors or weight broadcasts).
@@ -492,11 +492,10 @@ def live_vector_registers(anchor: Anchor, tile: Tile, chip, broadcasts_live: boo
     return tile.accumulators + temporaries + anchor.epilogue_operands + anchor.epilogue_constants
 
 
-def register_budget(anchor: Anchor, chip) -> int:
+def register_budget(anchor: Anchor, chip: chips.Chip) -> int:
     """The budget :func:`live_vector_registers` of ``anchor`` is checked against: a blocked
     conv's estimate counts every register it holds, so the whole vector register file; any
     other tile's leaves ``register_pressure.CPU_RESERVE`` registers free."""
-    chip = chips.get(chip)
     if anchor.blocked:
         return chip.vector_regs
     return register_pressure.static_budget(chip, anchor.dtype)
@@ -635,7 +634,7 @@ def _with_block_rows(anchor: Anchor, tile: Tile, knobs: _Knobs) -> Tile:
 
 
 def schedule(
-    func: tirx.PrimFunc, chip, tile: Tile | None = None, epilogue: str = "register"
+    func: tirx.PrimFunc, chip: chips.Chip, tile: Tile | None = None, epilogue: str = "register"
 ) -> tirx.PrimFunc:
     """``func`` with a register-tiled, vectorized, parallel CPU schedule (``tirx.is_scheduled``).
 
@@ -646,7 +645,6 @@ def schedule(
     """
     if epilogue not in EPILOGUE_MODES:
         raise BNFoldError(f"unknown epilogue mode {epilogue!r}; one of {', '.join(EPILOGUE_MODES)}")
-    chip = chips.get(chip)
     anchor = _analyze(func)
     if isinstance(anchor, str):
         raise BNFoldError(f"conv_schedule cannot schedule this PrimFunc: {anchor}")
@@ -823,7 +821,7 @@ def _split_lanes(sch: s_tir.Schedule, loop, lanes: int) -> list:
     return [loop] if int(sch.get(loop).extent) <= lanes else sch.split(loop, [None, lanes])
 
 
-def design_spaces(sch: s_tir.Schedule, chip) -> list[s_tir.Schedule] | None:
+def design_spaces(sch: s_tir.Schedule, chip: chips.Chip) -> list[s_tir.Schedule] | None:
     """MetaSchedule design spaces of a blocked conv kernel (``ms.space_generator.ScheduleFn``):
     our schedule with the register tile sampled (``sample_perfect_tile`` of the columns and of
     the channel blocks, which MetaSchedule's tile-size mutator explores), one space per
@@ -833,7 +831,7 @@ def design_spaces(sch: s_tir.Schedule, chip) -> list[s_tir.Schedule] | None:
     anchor = _analyze(sch.mod["main"])
     if isinstance(anchor, str) or not anchor.blocked:
         return None
-    knobs = _Knobs.of(chips.get(chip), anchor.dtype)
+    knobs = _Knobs.of(chip, anchor.dtype)
     tails = [t for t in candidate_tiles(anchor, chip) if anchor.spatial[3] % t.rows]
     spaces = []
     for level in ("register", "cache") if anchor.epilogue else ("register",):
@@ -844,7 +842,7 @@ def design_spaces(sch: s_tir.Schedule, chip) -> list[s_tir.Schedule] | None:
     return spaces
 
 
-def sampled_tile(sch: s_tir.Schedule, anchor: Anchor, chip) -> Tile | None:
+def sampled_tile(sch: s_tir.Schedule, anchor: Anchor, chip: chips.Chip) -> Tile | None:
     """The register tile a schedule of :func:`design_spaces` sampled (its two tile-size
     decisions: channel blocks, then columns); None for a schedule of another space."""
     if not anchor.blocked:
@@ -853,7 +851,7 @@ def sampled_tile(sch: s_tir.Schedule, anchor: Anchor, chip) -> Tile | None:
     sampled = [trace.decisions[i] for i in trace.insts if i.kind.name == "SamplePerfectTile"]
     if len(sampled) != 2:
         return None
-    lanes = chips.get(chip).lanes(anchor.dtype)
+    lanes = chip.lanes(anchor.dtype)
     (_, hrows), (_, rows) = ([int(f) for f in d] for d in sampled)
     return Tile(vec=lanes, rows=rows, hrows=hrows, lanes=lanes, block_rows=rows)
 
@@ -1036,7 +1034,7 @@ def _deinterleave(sch: s_tir.Schedule, copy, s_h: int, s_w: int, knobs: _Knobs) 
     _parallel_vectorized(sch, copy, knobs)
 
 
-def schedule_injective(func: tirx.PrimFunc, chip) -> tirx.PrimFunc | None:
+def schedule_injective(func: tirx.PrimFunc, chip: chips.Chip) -> tirx.PrimFunc | None:
     """A kernel of injective blocks only (a layout transform, a standalone elementwise op):
     everything inlined into the last block, its outer loops parallel, the second-innermost
     unrolled in short steps and the innermost vectorized. None for any other kernel."""
@@ -1054,7 +1052,7 @@ def schedule_injective(func: tirx.PrimFunc, chip) -> tirx.PrimFunc | None:
             sch.compute_inline(block_rv)
     except s_tir.schedule.ScheduleError:
         return None
-    knobs = _Knobs.of(chips.get(chip), str(sch.get(blocks[-1]).writes[0].source.dtype))
+    knobs = _Knobs.of(chip, str(sch.get(blocks[-1]).writes[0].source.dtype))
     # A layout transform iterates its input's index space. Iterate the blocked side (the
     # buffer whose innermost axis is a channel block of at most one vector): its vectors are
     # contiguous, the other side gathers or scatters (measured 2-4x faster than the reverse).

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ import onnx
 import tvm
 from tvm import relax
 
-from . import chips
+from . import chips, runtime
 from .bench import onnxruntime_session
 from .errors import BNFoldError
 from .fold_bn import FoldBN
@@ -133,11 +132,11 @@ def compare(model: onnx.ModelProto, chip, threads: int, runs: int = 10,
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help=f"an ONNX file or a built-in model ({', '.join(BUILTIN)})")
-    parser.add_argument("--chip", help="a chip that runs here (default: the host's widest)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--chip", help="a chip that runs here (default: host, this machine)")
+    parser.add_argument("--threads", type=int, default=chips.usable_cores())
     parser.add_argument("--runs", type=int, default=10)
     args = parser.parse_args(argv)
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # read when TVM's thread pool starts
+    runtime.set_threads(args.threads)
     name = args.model if args.model in BUILTIN else None
     chip = chips.get(args.chip) if args.chip else chips.host_chip()
     rows = compare(get_model(args.model), chip, args.threads, args.runs, name)

@@ -71,14 +71,13 @@ class SpillReport:
 # Static side ------------------------------------------------------------------------------
 
 
-def static_budget(chip: str | chips.Chip, dtype: str = "float32") -> int:
+def static_budget(chip: chips.Chip, dtype: str = "float32") -> int:
     """Registers a register tile of ``dtype`` may use on ``chip``.
 
     CPU: vector registers minus :data:`CPU_RESERVE` (each holds ``chip.lanes(dtype)`` elements).
     CUDA: the per-thread cap minus :data:`CUDA_RESERVE`, counted in ``dtype`` values (a 64-bit
     value takes two 32-bit registers; narrower values are counted one per register).
     """
-    chip = chips.get(chip)
     if chip.kind == "cuda":
         regs = min(chip.vector_regs, CUDA_MAX_REGISTERS) - CUDA_RESERVE
         return regs // max(1, tvm.DataType(dtype).bits // 32)
@@ -314,10 +313,9 @@ def _build(func: PrimFuncLike, chip: chips.Chip):
 # Measurement --------------------------------------------------------------------------------
 
 
-def measure_cpu(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
+def measure_cpu(func: PrimFuncLike, chip: chips.Chip) -> SpillReport:
     """Build a scheduled PrimFunc for a CPU chip (cross targets too: no execution) and count
     vector spills and registers in its assembly."""
-    chip = chips.get(chip)
     if chip.kind != "cpu":
         raise BNFoldError(f"measure_cpu: chip {chip.name} is a {chip.kind} chip")
     asm = llvm_asm(_build(func, chip))
@@ -389,11 +387,10 @@ def ptxas_log(source: str, arch: str, timeout: float = 300.0) -> str:
     return log
 
 
-def measure_cuda(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
+def measure_cuda(func: PrimFuncLike, chip: chips.Chip) -> SpillReport:
     """Generate CUDA C for a GPU-scheduled (thread-bound) PrimFunc, compile it with nvcc for the
     chip's arch and read registers and spill bytes from ``ptxas -v``. No GPU is needed;
     :class:`ToolMissing` when nvcc is absent."""
-    chip = chips.get(chip)
     if chip.kind != "cuda":
         raise BNFoldError(f"measure_cuda: chip {chip.name} is a {chip.kind} chip")
     find_nvcc()  # fail fast, before code generation
@@ -411,10 +408,9 @@ def measure_cuda(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
     return report
 
 
-def measure(func: PrimFuncLike, chip: str | chips.Chip) -> SpillReport:
+def measure(func: PrimFuncLike, chip: chips.Chip) -> SpillReport:
     """Register use and spills of a scheduled PrimFunc on ``chip`` (CPU or CUDA): the verdict
     cached for this kernel and target (:class:`SpillCache`), else measured and cached."""
-    chip = chips.get(chip)
     key = SpillCache.key(func, chip)
     report = SPILLS.get(key)
     if report is None:

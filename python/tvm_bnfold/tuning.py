@@ -18,7 +18,12 @@ before it is built or measured.
 The databases are MetaSchedule's standard ``database_workload.json`` and
 ``database_tuning_record.json`` in ``work_dir``; stock ``relax.transform.MetaScheduleApplyDatabase``
 reads them too. Next to them, ``bnfold_default_schedules.json`` holds the measured latency of
-each kernel's default schedule: build() keeps a tuned schedule only where it measured faster.
+each kernel's default schedule: build() keeps a tuned schedule only where it measured faster;
+``chip.json`` names the chip the records were made for and the machine they were measured on
+(MetaSchedule itself ignores the target when it looks a record up): build() refuses a database
+of another ISA and warns, naming both chips, where the CPU or the core count differs. A machine
+with no database of its own (``tuning_logs/<chip>/<model>/``) uses a committed one of its ISA
+that way, as a start; ``tune`` on it writes its own directory.
 A re-run resumes: records already there count towards ``max_trials`` and are never measured
 again; Ctrl-C ends a run after committing the batch in flight. A kill leaves at most a
 truncated last line, which is dropped with a warning; any other bad line is a
@@ -68,6 +73,8 @@ RECORD_FILE = "database_tuning_record.json"
 LOCK_FILE = ".tune.lock"
 #: Measured latency of the default schedule of each tuned workload (not a MetaSchedule file).
 DEFAULTS_FILE = "bnfold_default_schedules.json"
+#: The chip a database was made for and the machine it was measured on.
+CHIP_FILE = "chip.json"
 _SCHEDULED = conv_schedule.SCHEDULED_ATTR
 
 
@@ -81,6 +88,10 @@ class DatabaseError(TuningError):
     def __init__(self, path, line: int, reason: str) -> None:
         super().__init__(f"{path}:{line}: {reason}")
         self.path, self.line = str(path), line
+
+
+class ChipMismatchError(TuningError):
+    """A database was made for another chip (its ``chip.json`` says which)."""
 
 
 class TuningLockedError(TuningError):
@@ -309,9 +320,9 @@ class RegisterBudget(ms.postproc.PyPostproc):
     (:func:`register_tile`) plus the epilogue's operands exceeds
     ``register_pressure.static_budget(chip, dtype)``."""
 
-    def __init__(self, chip, counter: _Counter | None = None) -> None:
+    def __init__(self, chip: chips.Chip, counter: _Counter | None = None) -> None:
         super().__init__()
-        self.chip = chips.get(chip)
+        self.chip = chip
         self.counter = counter or _Counter()
         self.task, self.anchor, self.budget = "", None, 0
 
@@ -347,12 +358,12 @@ class RegisterBudget(ms.postproc.PyPostproc):
         return other
 
 
-def design_space(workload: IRModule, chip, postprocs: list) -> ms.space_generator.SpaceGenerator:
+def design_space(workload: IRModule, chip: chips.Chip, postprocs: list
+                 ) -> ms.space_generator.SpaceGenerator:
     """The search space of one task: for a blocked conv, our schedule with its register tile
     sampled and one space per epilogue level (:func:`conv_schedule.design_spaces`); for any
     other kernel, MetaSchedule's default CPU space (MultiLevelTiling ``SSRSRS``, whose write
     reuse places the epilogue on the inner or outer tile or leaves it separate)."""
-    chip = chips.get(chip)
     if conv_schedule.design_spaces(s_tir.Schedule(workload["main"]), chip) is not None:
         return ms.space_generator.ScheduleFn(
             functools.partial(conv_schedule.design_spaces, chip=chip), sch_rules=[],
@@ -594,6 +605,7 @@ def tune(
 
 def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_trials_per_iter,
                  population_size, genetic_num_iters, build_timeout_s, seed):
+    _claim(work_dir, chip, measured_here=runner is None)
     db = load_database(work_dir, repair=True)
     with chip.target:
         tasks = ms.relax_integration.extract_tasks(workload_module(mod), chip.target)
@@ -615,10 +627,14 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
     remaining = max_trials - done
     say(f"{chip.name}: {len(tasks)} tasks, {done} trials already in {work_dir}, "
         f"{max(remaining, 0)} to run")
-    cores = int(chip.target_config.get("num-cores", os.cpu_count() or 1))
+    cores = chip.cores
     builder = builder or ms.builder.LocalBuilder(
         max_workers=cores, timeout_sec=build_timeout_s, f_build=build_kernel)
-    runner = runner or ms.runner.LocalRunner()
+    if runner is None:
+        # The runner's worker processes start their TVM thread pool from the environment:
+        # measure on the cores the code is built for (TVM's own default is half of them on x86).
+        os.environ.setdefault("TVM_NUM_THREADS", str(min(cores, chips.usable_cores())))
+        runner = ms.runner.LocalRunner()
     if any(func.same_as(mod[gvar]) for gvar, func in kernels(mod).items()):
         with chip.target:  # unscheduled kernels: their default schedule, as build() gives it
             mod, _ = schedule_kernels(mod, chip, measure=False)
@@ -640,7 +656,7 @@ def _tune_locked(mod, chip, work_dir, max_trials, quiet, runner, builder, num_tr
         contexts.append(ms.TuneContext(
             mod=task.dispatched[0], target=chip.target, space_generator=space,
             search_strategy=strategy, task_name=task.task_name, logger=task_logger,
-            rand_state=rand, num_threads=os.cpu_count() or 1).clone())
+            rand_state=rand, num_threads=chips.usable_cores()).clone())
         weights.append(float(task.weight))
     progress = Progress(names, weights, done, max_trials, quiet)
     start = time.monotonic()
@@ -750,13 +766,91 @@ def _task_loggers(work_dir: Path, names: list[str]) -> list[logging.Logger]:
     return out
 
 
-def database_dir(chip, work_dir=None, model: str | None = None) -> Path | None:
-    """``work_dir``, else ``tuning_logs/<chip>/<model>/`` when ``model`` is given."""
+def database_dir(chip: chips.Chip, work_dir=None, model: str | None = None) -> Path | None:
+    """Where ``chip``'s database of ``model`` lives (and ``tune`` writes): ``work_dir``, else
+    ``tuning_logs/<chip>/<model>/`` when ``model`` is given."""
     if work_dir is not None:
         return Path(work_dir)
     if model is not None:
-        return TUNING_LOGS / chips.get(chip).name / model
+        return TUNING_LOGS / chip.name / model
     return None
+
+
+def find_database(chip: chips.Chip, model: str) -> Path | None:
+    """The database ``build`` uses for ``chip``'s ``model``: its own, else one committed for
+    another chip of the same ISA (build() warns, naming both); None when there is neither."""
+    own = database_dir(chip, model=model)
+    if _has_records(own):
+        return own
+    for path in sorted(TUNING_LOGS.glob(f"*/{model}")):
+        made_for = _chip_file(path)
+        if _has_records(path) and made_for is not None and made_for.get("isa") == chip.isa:
+            return path
+    return None
+
+
+def _has_records(path: Path) -> bool:
+    records = path / RECORD_FILE
+    return records.is_file() and records.stat().st_size > 0
+
+
+def chip_entry(chip: chips.Chip, measured_here: bool = True) -> dict:
+    """What ``chip.json`` says: the chip the code is for, and the machine that measured it."""
+    entry = {"chip": chip.name, "cpu": chip.cpu, "isa": chip.isa, "cores": chip.cores,
+             "target": str(chip.target)}
+    if measured_here:
+        entry["measured_on"] = {"cpu": tvm.target.codegen.llvm_get_system_cpu(),
+                                "cores": chips.usable_cores()}
+    return entry
+
+
+def _chip_file(path: Path) -> dict | None:
+    try:
+        entry = json.loads((path / CHIP_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise DatabaseError(path / CHIP_FILE, 1, f"not a chip record: {err}") from err
+    if not isinstance(entry, dict) or not {"chip", "cpu", "isa", "cores"} <= entry.keys():
+        raise DatabaseError(path / CHIP_FILE, 1, "a chip record needs chip, cpu, isa and cores")
+    return entry
+
+
+def _describe(entry: dict) -> str:
+    where = entry.get("measured_on")
+    measured = f", measured on {where['cpu']} with {where['cores']} cores" if where else ""
+    return f"{entry['chip']} ({entry['cpu']}, {entry['isa'].upper()}, {entry['cores']} cores" \
+        f"{measured})"
+
+
+def check_chip(path: Path, chip: chips.Chip) -> None:
+    """A database made for another ISA is a :class:`ChipMismatchError`; one of another CPU or core
+    count of the same ISA is used with a warning naming both chips."""
+    made_for = _chip_file(path)
+    if made_for is None:
+        warnings.warn(f"{path} does not say which chip it was measured on ({CHIP_FILE} is "
+                      f"missing); using it for {chip.describe()}", stacklevel=3)
+        return
+    if made_for["isa"] != chip.isa:
+        raise ChipMismatchError(f"{path} holds records for {_describe(made_for)}, not usable for "
+                            f"{chip.describe()}: tune for it into a directory of its own")
+    if (made_for["cpu"], made_for["cores"]) != (chip.cpu, chip.cores):
+        warnings.warn(f"using the database of {_describe(made_for)} for {chip.describe()}: "
+                      f"its tiles were chosen on another CPU; tune this machine's own with "
+                      f"`tvm-bnfold tune MODEL --chip {chip.name}`", stacklevel=3)
+
+
+def _claim(work_dir: Path, chip: chips.Chip, measured_here: bool) -> None:
+    """Write ``chip.json`` into a new database directory; refuse one of another chip."""
+    made_for = _chip_file(work_dir)
+    if made_for is None:
+        tmp = work_dir / f".{CHIP_FILE}.tmp"
+        tmp.write_text(json.dumps(chip_entry(chip, measured_here), indent=1) + "\n")
+        os.replace(tmp, work_dir / CHIP_FILE)
+    elif (made_for["chip"], made_for["cpu"], made_for["isa"], made_for["cores"]) != \
+            (chip.name, chip.cpu, chip.isa, chip.cores):
+        raise ChipMismatchError(f"{work_dir} holds the database of {_describe(made_for)}; tune "
+                          f"{chip.describe()} into a directory of its own")
 
 
 def apply_database(mod: tvm.IRModule, chip, work_dir=None, model: str | None = None
@@ -774,6 +868,7 @@ def apply_database(mod: tvm.IRModule, chip, work_dir=None, model: str | None = N
     tuned: list[str] = []
     slower: list[str] = []  # tuned, but the default schedule measured faster
     if path is not None and (path / RECORD_FILE).exists():
+        check_chip(path, chip)
         db = load_database(path)
         defaults = (json.loads((path / DEFAULTS_FILE).read_text())
                     if (path / DEFAULTS_FILE).exists() else {})
