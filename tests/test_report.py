@@ -162,3 +162,49 @@ def test_report_renders_in_headless_chromium(tiny_report, tmp_path):
                          capture_output=True, text=True, timeout=120).stdout
     assert 'data-rendered="3"' in dom
     shutil.rmtree(tmp_path / "profile", ignore_errors=True)
+
+
+def test_registers_plot_draws_the_budget_each_kernel_was_checked_against(monkeypatch, tmp_path):
+    """The budget drawn over each bar is the one the register check used for that kernel: on
+    avx2 the blocked convs against the whole register file (16), the NCHW mean and fc against
+    14 (the register file less the reserve): not one line for the chip."""
+    import tvm
+
+    from tvm_bnfold import FoldBN, chips, conv_schedule, fuse_epilogue, load_onnx
+    from tvm_bnfold.register_pressure import CPU_RESERVE
+
+    chip = chips.get("avx2")
+    with chip.target:
+        mod = FoldBN()(load_onnx(tiny_model()))
+        fused = fuse_epilogue.fuse_graph(mod, block=chip.lanes("float32"))
+        _, records = fuse_epilogue.schedule_kernels(fused, chip, measure=False)
+    # The decision, independently of the records: each kernel's anchor and its budget.
+    expected = {}
+    for gvar, func in fused.functions.items():
+        anchor = isinstance(func, tvm.tirx.PrimFunc) and conv_schedule.analyze(func)
+        if anchor:
+            expected[gvar.name_hint] = conv_schedule.register_budget(anchor, chip)
+    blocked = {name for name in expected if "NCHWc" in name}
+    assert len(blocked) == 2 and len(expected) == 4  # two blocked convs, the mean and the fc
+    assert expected == {name: chip.vector_regs if name in blocked else
+                        chip.vector_regs - CPU_RESERVE for name in expected}
+    assert len(set(expected.values())) == 2  # one line for the chip would be wrong for some
+    assert {rec.kernel: rec.budget for rec in records} == expected
+
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig))
+    result = report.Result(chip, "tiny", [], records, 0.0)
+    drawn = report.plot_registers([result], "tiny", tmp_path / "registers.png")
+    bars = drawn["avx2"]
+    assert [b.kernel for b in bars] == [rec.kernel for rec in records]
+    assert {b.kernel: b.budget for b in bars} == expected
+    # What the figure shows: one budget segment centred on each bar, at that kernel's budget.
+    (ax,) = figures[0].axes
+    segments = [seg for coll in ax.collections for seg in coll.get_segments()]
+    assert len(segments) == len(bars)
+    at = {round(float(seg[:, 0].mean())): float(seg[0, 1]) for seg in segments}
+    assert all(seg[0, 1] == seg[1, 1] for seg in segments)  # horizontal
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert {labels[x]: budget for x, budget in at.items()} == expected
+    heights = {labels[i]: p.get_height() for i, p in enumerate(ax.patches)}
+    assert heights == {rec.kernel: rec.registers for rec in records}

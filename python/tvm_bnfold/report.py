@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench, chips
+from . import bench, chips, runtime
 from .errors import BNFoldError
 from .fuse_epilogue import FusionRecord
 from .models import get_model, load_onnx
@@ -148,38 +148,69 @@ _DECISION_COLORS = {"register": "tab:blue", "cache": "tab:orange", "separate": "
                     "database": "tab:green"}
 
 
-def plot_registers(results: list[Result], model: str, path: Path) -> None:
-    """Registers of every FoldBN+FuseEpilogue kernel against the chip's budget, per chip.
-    CPU: the static estimate of live vector registers; CUDA: registers per thread (ptxas).
-    Bar colour: where the epilogue went; red edge: the kernel spills."""
+@dataclass
+class RegisterBar:
+    """One bar of the registers plot: a kernel's registers and the budget its own register check
+    used (:attr:`FusionRecord.budget`: a blocked conv tile against the whole vector register file,
+    any other CPU tile against it less ``register_pressure.CPU_RESERVE``, CUDA the per-thread
+    cap)."""
+
+    kernel: str
+    registers: int
+    budget: int | None
+    decision: str
+    spills: int
+
+
+def register_bars(records: Sequence[FusionRecord]) -> list[RegisterBar]:
+    """The bars of :func:`plot_registers`: every kernel with a register count (a database
+    schedule has none), with the budget its check recorded."""
+    return [RegisterBar(rec.kernel, rec.registers, rec.budget, rec.decision,
+                        rec.spill_bytes or rec.spill_moves or 0)
+            for rec in records if rec.registers is not None]
+
+
+def plot_registers(results: list[Result], model: str, path: Path) -> dict[str, list[RegisterBar]]:
+    """Registers of every FoldBN+FuseEpilogue kernel against its budget, per chip; returns the
+    bars drawn, by chip. CPU: the static estimate of live vector registers; CUDA: registers per
+    thread (ptxas). Bar colour: where the epilogue went; red edge: the kernel spills; a dash over
+    each bar: the budget its register check used (one chip's kernels may differ)."""
     plt = _pyplot()
     mine = [r for r in results if r.model == model]
     fig, axes = plt.subplots(len(mine), 1, figsize=(11, 1.0 + 3.2 * len(mine)), squeeze=False)
+    drawn: dict[str, list[RegisterBar]] = {}
     for ax, r in zip(axes[:, 0], mine, strict=True):
-        recs = [rec for rec in r.records if rec.registers is not None]
-        spills = [(rec.spill_bytes or rec.spill_moves or 0) for rec in recs]
-        ax.bar(range(len(recs)), [rec.registers for rec in recs],
-               color=[_DECISION_COLORS.get(rec.decision, "tab:purple") for rec in recs],
-               edgecolor=["red" if s else "none" for s in spills], linewidth=2)
-        budget = next((rec.budget for rec in r.records if rec.budget), None)
-        if budget:
-            ax.axhline(budget, color="black", linestyle="--", linewidth=1)
-            ax.text(len(recs) - 0.5, budget, f"budget {budget}", ha="right", va="bottom",
-                    fontsize=8)
+        bars = drawn[r.chip.name] = register_bars(r.records)
+        xs = np.arange(len(bars))
+        ax.bar(xs, [b.registers for b in bars],
+               color=[_DECISION_COLORS.get(b.decision, "tab:purple") for b in bars],
+               edgecolor=["red" if b.spills else "none" for b in bars], linewidth=2)
+        budgeted = [(x, b.budget) for x, b in zip(xs, bars, strict=True) if b.budget]
+        if budgeted:
+            bx, by = (np.array(v) for v in zip(*budgeted, strict=True))
+            ax.hlines(by, bx - 0.45, bx + 0.45, colors="black", linestyles="--", linewidth=1,
+                      label="budget")
+            for value in sorted(set(by.tolist())):  # each budget labelled once, at its last bar
+                ax.text(int(bx[by == value].max()) + 0.45, value, f"budget {value}", ha="right",
+                        va="bottom", fontsize=7)
         kind = "registers / thread\n(ptxas)" if r.chip.kind == "cuda" else "live vector\nregisters"
         ax.set_ylabel(kind, fontsize=8)
-        spilled = sum(1 for s in spills if s)
-        ax.set_title(f"{model} on {r.chip.name}: {len(recs)} kernels, {spilled} spilling"
+        spilled = sum(1 for b in bars if b.spills)
+        ax.set_title(f"{model} on {r.chip.name}: {len(bars)} kernels, {spilled} spilling"
                      + (f" ({r.note})" if r.note else ""), fontsize=9)
-        ax.set_xticks(range(len(recs)), [rec.kernel for rec in recs], rotation=90, fontsize=6)
-        if budget:
-            ax.set_ylim(0, budget * 1.15)
+        ax.set_xticks(xs, [b.kernel for b in bars], rotation=90, fontsize=6)
+        top = max([b.budget or 0 for b in bars] + [b.registers for b in bars], default=0)
+        if top:
+            ax.set_ylim(0, top * 1.15)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _DECISION_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="red", linewidth=2))
-    fig.legend(handles, [f"epilogue: {d}" for d in _DECISION_COLORS] + ["spills"],
-               loc="upper center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, 1.0))
+    handles.append(plt.Line2D([0], [0], color="black", linestyle="--", linewidth=1))
+    fig.legend(handles, [f"epilogue: {d}" for d in _DECISION_COLORS]
+               + ["spills", "budget of the kernel's check"],
+               loc="upper center", ncol=6, fontsize=8, bbox_to_anchor=(0.5, 1.0))
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     _save(fig, path)
+    return drawn
 
 
 def _row(result: Result, variant: str) -> dict:
@@ -217,7 +248,7 @@ def _table(results: list[Result], model: str) -> list[list[str]]:
 def _notes(results: list[Result], peak: float | None, fma: dict[str, float]) -> list[str]:
     notes = [
         "Latency: median and p90 per image, batch 1, fp32, "
-        f"{os.environ.get('TVM_NUM_THREADS', '?')} TVM threads, all variants of a chip timed "
+        f"{runtime.current_threads()} TVM threads, all variants of a chip timed "
         "side by side in one process. Speedups are over the unfused and stock-TVM rows.",
         "Variants: unfused = every op its own kernel; stock = TVM's DecomposeOpsForInference + "
         "FuseOps + FuseTIR; both, and FoldBN only, get our default NCHW conv/matmul schedule; "
