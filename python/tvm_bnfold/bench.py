@@ -725,6 +725,10 @@ def print_peak(rows: list[dict], model_gflop: float, peak: float, fma: float | N
                   f"{achieved / peak:.0%} of the sgemm peak{of_fma}", file=file or sys.stdout)
 
 
+def _progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(BUILTIN),
@@ -772,7 +776,7 @@ def main(argv: list[str] | None = None) -> None:
     for chip in targets if names else ():
         print(f"\n## Real models ({chip.name}, batch 1, fp32, native input sizes; median of "
               f"{args.repeat} interleaved rounds)")
-        print_corpus(corpus_rows(chip, names, args.repeat))
+        print_corpus(corpus_rows(chip, names, args.repeat, progress=_progress))
 
     print("\n## Epilogues of libm functions: 3x3 conv 64->64 on 56x56 + bias + activation, "
           "FuseEpilogue exact vs fast_math=True")
