@@ -24,8 +24,8 @@ mod = load_onnx(proto)
 with chip.target:
     ours = FuseEpilogue()(FoldBN()(mod))
 inputs = list(random_inputs(mod).values())
+runtime.set_threads(pin=pin)
 run_ours, _ = bench.tvm_runner(tvm.compile(ours, chip.target), inputs, chip.target)
-runtime.set_threads(pin=pin)  # after tvm_runner, which sets the default (unpinned) mode
 run_ort, _ = bench.onnxruntime_runner(proto, inputs)
 alone = bench.interleaved({"ours": run_ours, "ort": run_ort}, rounds)
 with bench.busy_neighbour():

@@ -17,7 +17,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -269,7 +268,7 @@ def tvm_runner(mod, inputs: list[np.ndarray], target) -> tuple[Callable[[], obje
     """A callable that runs ``main`` of an IRModule (built here) or a built executable, and
     its output."""
     ex = tvm.compile(mod, target=target) if isinstance(mod, tvm.IRModule) else mod
-    runtime.set_threads()
+    runtime.current_threads()  # every core, unless the caller configured the pool
     vm = relax.VirtualMachine(ex, tvm.cpu())
     args = [tvm.runtime.tensor(x) for x in inputs]
     return (lambda: vm["main"](*args)), vm["main"](*args).numpy()
@@ -547,18 +546,11 @@ def fast_math_rows(chip: chips.Chip, repeat: int, channels: int = 64, size: int 
     return rows
 
 
-def tuning_dir(chip: chips.Chip, model: str) -> Path | None:
-    """The tuning database ``build`` uses for the chip's ``model`` (see
-    :func:`tuning.find_database`), else None."""
-    return find_database(chip, model)
-
-
 def build_tuned(mod: tvm.IRModule, chip: chips.Chip, model: str):
     """The executable of ``mod`` (after FoldBN+FuseEpilogue) with the chip/model's tuned
     schedules, or None when no tuning database is there."""
-    if tuning_dir(chip, model) is None:
-        return None
-    return build(mod, chip, work_dir=str(tuning_dir(chip, model)), model=model)
+    path = find_database(chip, model)
+    return None if path is None else build(mod, chip, work_dir=str(path), model=model)
 
 
 def _schedule_columns(records: list[FusionRecord] | None) -> dict:
@@ -623,11 +615,11 @@ def compare(
             tuned = build_tuned(found[source].mod, chip, db_name)
         except Exception as err:  # e.g. a database being written by a tuning run right now
             say(f"{chip.name}/{name}/{variant}: skipped, cannot use "
-                f"{tuning_dir(chip, db_name)}: "
+                f"{find_database(chip, db_name)}: "
                 + next(iter(str(err).splitlines()), type(err).__name__))
             tuned = None
         if tuned is not None:
-            say(f"{chip.name}/{name}/{variant}: built with {tuning_dir(chip, db_name)}")
+            say(f"{chip.name}/{name}/{variant}: built with {find_database(chip, db_name)}")
             rows.append(dict(like, variant=variant))
             runners[variant] = tvm_runner(tuned, inputs, chip.target)
     if runs and onnx_model is not None:

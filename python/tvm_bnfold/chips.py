@@ -120,16 +120,15 @@ def host_chip() -> Chip:
     process may use. A preset with the same CPU and cores is returned as itself (its tuning
     databases were measured on such a machine); else a chip named ``<isa>-<cpu>-<cores>c``.
     A CPU without AVX2 (x86) or NEON (aarch64) gets a generic target and a warning."""
-    cpu = tvm.target.codegen.llvm_get_system_cpu()
-    cores = usable_cores()
-    flags = _host_cpu_flags()
+    cpu, cores, flags = tvm.target.codegen.llvm_get_system_cpu(), usable_cores(), _host_cpu_flags()
+    config = {"kind": "llvm", "mcpu": cpu, "num-cores": cores}
     if platform.machine() in ("aarch64", "arm64"):
-        config = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": cpu, "num-cores": cores}
+        config = {"kind": "llvm", "mtriple": "aarch64-linux-gnu", **config}
         isa, needs = "neon", "asimd"
     elif "avx512f" in flags:
-        config, isa, needs = {"kind": "llvm", "mcpu": cpu, "num-cores": cores}, "avx512", "avx512f"
+        isa, needs = "avx512", "avx512f"
     elif {"avx2", "fma"} <= flags:
-        config, isa, needs = {"kind": "llvm", "mcpu": cpu, "num-cores": cores}, "avx2", "avx2"
+        isa, needs = "avx2", "avx2"
     else:
         warnings.warn(f"this CPU ({cpu!r}, {platform.machine()}) has neither AVX2 nor NEON: "
                       "compiling for a generic target with the default schedules' 128-bit "
@@ -142,12 +141,17 @@ def host_chip() -> Chip:
     return Chip(f"{isa}-{cpu if needs else 'generic'}-{cores}c", "cpu", config, bits, regs, needs)
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, not the machine's count)."""
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask, not the machine's count)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many CPUs this process may run on (:func:`usable_cpus`)."""
+    return len(usable_cpus())
 
 
 @functools.cache

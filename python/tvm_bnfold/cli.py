@@ -208,7 +208,7 @@ def _compile(args) -> None:
     except Exception as err:  # a cross compiler (aarch64) or nvcc (CUDA) may be missing
         raise BNFoldError(f"cannot export the {chip.name} library to {output}: "
                           f"{_one_line(err)}") from err
-    schedules = f"tuned schedules from {bench.tuning_dir(chip, name)}" if tuned else \
+    schedules = f"tuned schedules from {tuning.find_database(chip, name)}" if tuned else \
         "default schedules (no tuning database)"
     elsewhere = "" if chip.runs_here else f"; {chip.name} code does not run on this machine"
     fast = ", fast math" if args.fast_math else ""
@@ -288,7 +288,7 @@ def _demo(args) -> None:
     before, after = bench.op_counts(mod), bench.op_counts(folded)
     print(f"BatchNorms: {before['nn.batch_norm']} -> {after['nn.batch_norm']}")
 
-    tuned = bench.tuning_dir(chip, name)
+    tuned = tuning.find_database(chip, name)
     print(f"\nCompiling and timing on {chip.name} ("
           + (f"tuned schedules from {tuned}" if tuned else "default schedules") + ") ...")
     results = report.collect([chip.name], [args.model], args.repeat, baselines=("unfused",))

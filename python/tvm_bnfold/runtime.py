@@ -46,8 +46,7 @@ def set_threads(threads: int | None = None, pin: bool = False) -> int:
         threads = default_threads()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
         raise BNFoldError(f"threads must be a positive integer, got {threads!r}")
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        list(range(os.cpu_count() or 1))
+    cpus = chips.usable_cpus()
     if threads > len(cpus):
         cpus = [cpus[i % len(cpus)] for i in range(threads)]  # more threads than cores
     mode = ONE_CORE_PER_THREAD if pin else SHARE_ALL_CORES
@@ -64,13 +63,9 @@ def set_threads(threads: int | None = None, pin: bool = False) -> int:
 def current_threads() -> int:
     """The threads TVM's pool of the calling thread runs on; a pool that has not started yet
     starts on every usable core (:func:`set_threads`), never on TVM's default of half."""
-    if not _configured():
+    if threading.get_ident() not in _CONFIGURED:
         return set_threads()
     return int(tvm.get_global_func("runtime.NumThreads")())
-
-
-def _configured() -> bool:
-    return threading.get_ident() in _CONFIGURED
 
 
 class Model:

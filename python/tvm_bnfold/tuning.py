@@ -832,8 +832,8 @@ def check_chip(path: Path, chip: chips.Chip) -> None:
                       f"missing); using it for {chip.describe()}", stacklevel=3)
         return
     if made_for["isa"] != chip.isa:
-        raise ChipMismatchError(f"{path} holds records for {_describe(made_for)}, not usable for "
-                            f"{chip.describe()}: tune for it into a directory of its own")
+        raise ChipMismatchError(f"{path} holds records for {_describe(made_for)}, not usable "
+                                f"for {chip.describe()}: tune for it into a directory of its own")
     if (made_for["cpu"], made_for["cores"]) != (chip.cpu, chip.cores):
         warnings.warn(f"using the database of {_describe(made_for)} for {chip.describe()}: "
                       f"its tiles were chosen on another CPU; tune this machine's own with "
@@ -849,8 +849,8 @@ def _claim(work_dir: Path, chip: chips.Chip, measured_here: bool) -> None:
         os.replace(tmp, work_dir / CHIP_FILE)
     elif (made_for["chip"], made_for["cpu"], made_for["isa"], made_for["cores"]) != \
             (chip.name, chip.cpu, chip.isa, chip.cores):
-        raise ChipMismatchError(f"{work_dir} holds the database of {_describe(made_for)}; tune "
-                          f"{chip.describe()} into a directory of its own")
+        raise ChipMismatchError(f"{work_dir} holds the database of {_describe(made_for)}; "
+                                f"tune {chip.describe()} into a directory of its own")
 
 
 def apply_database(mod: tvm.IRModule, chip, work_dir=None, model: str | None = None
