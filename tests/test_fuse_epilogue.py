@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 
 from _util import assert_close, function, run, tensor_var
-from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, conv_schedule
+from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, schedules
 from tvm_bnfold.bench import kernel_count, layout_kernel_count
 from tvm_bnfold.fuse_epilogue import FAST_MATH, choose_schedule, fuse_graph
 
@@ -220,12 +220,12 @@ def test_oversized_register_tile_is_rejected_on_avx2_with_the_counts():
     fused = fuse_graph(mod)
     (gvar,) = [g for g, f in fused.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
     func = fused[gvar]
-    anchor = conv_schedule.analyze(func)
-    tiles = conv_schedule.candidate_tiles(anchor, chip)
-    huge = max((t for t in conv_schedule.candidate_tiles(anchor, chips.get("avx512"))),
+    anchor = schedules.analyze(func)
+    tiles = schedules.candidate_tiles(anchor, chip)
+    huge = max((t for t in schedules.candidate_tiles(anchor, chips.get("avx512"))),
                key=lambda t: t.accumulators)
     _, record = choose_schedule(func, anchor, chip, tiles=[huge, *tiles])
-    need = conv_schedule.live_vector_registers(anchor, huge, chip)
+    need = schedules.live_vector_registers(anchor, huge, chip)
     assert need > record.budget
     assert f"{need} live vector registers > {record.budget} on avx2" in record.rejected[0]
     assert record.decision in ("register", "cache") and record.spill_moves == 0
@@ -241,7 +241,7 @@ def test_a_separate_epilogue_leaves_the_conv_a_full_tile(fast_math):
     with chips.target("avx2"):
         out = fuse(mod)
     (record,) = fuse.report
-    smallest = str(conv_schedule.Tile(vec=8, rows=1, hrows=1, lanes=8))
+    smallest = str(schedules.Tile(vec=8, rows=1, hrows=1, lanes=8))
     assert record.decision == "separate" and record.tile.split(", block_rows")[0] != \
         smallest.split(", block_rows")[0], record
     assert record.registers <= record.budget

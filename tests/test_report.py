@@ -170,7 +170,7 @@ def test_registers_plot_draws_the_budget_each_kernel_was_checked_against(monkeyp
     14 (the register file less the reserve): not one line for the chip."""
     import tvm
 
-    from tvm_bnfold import FoldBN, chips, conv_schedule, fuse_epilogue, load_onnx
+    from tvm_bnfold import FoldBN, chips, fuse_epilogue, load_onnx, schedules
     from tvm_bnfold.register_pressure import CPU_RESERVE
 
     chip = chips.get("avx2")
@@ -181,9 +181,9 @@ def test_registers_plot_draws_the_budget_each_kernel_was_checked_against(monkeyp
     # The decision, independently of the records: each kernel's anchor and its budget.
     expected = {}
     for gvar, func in fused.functions.items():
-        anchor = isinstance(func, tvm.tirx.PrimFunc) and conv_schedule.analyze(func)
+        anchor = isinstance(func, tvm.tirx.PrimFunc) and schedules.analyze(func)
         if anchor:
-            expected[gvar.name_hint] = conv_schedule.register_budget(anchor, chip)
+            expected[gvar.name_hint] = schedules.register_budget(anchor, chip)
     blocked = {name for name in expected if "NCHWc" in name}
     assert len(blocked) == 2 and len(expected) == 4  # two blocked convs, the mean and the fc
     assert expected == {name: chip.vector_regs if name in blocked else

@@ -25,7 +25,7 @@ from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
 from _util import assert_close, function, run, tensor_var
-from tvm_bnfold import FuseEpilogue, chips, conv_schedule, tuning
+from tvm_bnfold import FuseEpilogue, chips, schedules, tuning
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR, fuse_graph
 from tvm_bnfold.tuning import (
     CHIP_FILE,
@@ -301,11 +301,11 @@ def test_register_budget_uses_the_static_estimate_in_the_blocked_space():
     ctx = ms.TuneContext(mod=workload, target=CHIP.target, task_name="conv")
     check = RegisterBudget(CHIP)
     check._initialize_with_tune_context(ctx)
-    anchor = conv_schedule.analyze(ctx.mod["main"])
+    anchor = schedules.analyze(ctx.mod["main"])
     assert anchor.blocked
 
     def sampled(blocks, cols):
-        space = conv_schedule.design_spaces(s_tir.Schedule(ctx.mod), CHIP)[0]
+        space = schedules.design_spaces(s_tir.Schedule(ctx.mod), CHIP)[0]
         trace = space.trace
         insts = [i for i in trace.insts if i.kind.name == "SamplePerfectTile"]
         decided = trace.with_decision(insts[0], [4 // blocks, blocks], True)
@@ -315,8 +315,8 @@ def test_register_budget_uses_the_static_estimate_in_the_blocked_space():
         return sch
 
     big, fits = sampled(4, 16), sampled(2, 4)
-    assert conv_schedule.sampled_tile(big, anchor, CHIP).accumulators == 64
-    assert conv_schedule.sampled_tile(fits, anchor, CHIP).accumulators == 8
+    assert schedules.sampled_tile(big, anchor, CHIP).accumulators == 64
+    assert schedules.sampled_tile(fits, anchor, CHIP).accumulators == 8
     assert not check.apply(big)
     assert check.apply(fits)
     assert check.counter.counts == {"conv": 1}

@@ -51,7 +51,7 @@ from .fold_bn import count_uses
 
 logger = logging.getLogger(__name__)
 
-#: Block names of the blocked conv computes (conv_schedule recognizes them).
+#: Block names of the blocked conv computes (schedules.anchor recognizes them).
 CONV_BLOCK = "conv2d_NCHWc"
 DEPTHWISE_BLOCK = "depthwise_conv2d_NCHWc"
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")

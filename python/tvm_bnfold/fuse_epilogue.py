@@ -34,11 +34,10 @@ from tvm import relax, topi
 from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
 
-from . import blocked_layout, canonicalize, chips, conv_schedule, register_pressure
+from . import blocked_layout, canonicalize, chips, register_pressure, schedules
 
 logger = logging.getLogger(__name__)
 
-EPILOGUE_LEVELS = ("register", "cache", "separate")
 #: Attribute of a scheduled kernel: its unscheduled form (the tuning workload), as
 #: base64(zlib(tvm.ir.save_json(func))); ``tuning.kernels`` unpacks it.
 WORKLOAD_ATTR = "bnfold.workload"
@@ -161,14 +160,14 @@ def schedule_kernels(
             continue
         before = unscheduled[gvar.name_hint]
         if _is_scheduled(func):  # by the database now, or by an earlier run (no record)
-            anchor = None if before.same_as(func) else conv_schedule.analyze(before)
+            anchor = None if before.same_as(func) else schedules.analyze(before)
             if anchor is not None:
                 records.append(FusionRecord(gvar.name_hint, chip.name, _ops(anchor), "database"))
                 updates[gvar] = _with_workload(func, before)
             continue
-        anchor = conv_schedule.analyze(func)
+        anchor = schedules.analyze(func)
         if anchor is None:  # a layout transform or a standalone elementwise op
-            injective = conv_schedule.schedule_injective(func, chip)
+            injective = schedules.schedule_injective(func, chip)
             if injective is not None:
                 updates[gvar] = injective
             continue
@@ -222,7 +221,7 @@ FAST_MATH = {
 
 def choose_schedule(
     func: tvm.tirx.PrimFunc,
-    anchor: conv_schedule.Anchor,
+    anchor: schedules.Anchor,
     chip: chips.Chip,
     measure: bool = True,
     tiles: list | None = None,
@@ -231,23 +230,23 @@ def choose_schedule(
     fits the static budget and, when ``measure``, compiles without spills. The register level's
     estimate counts the epilogue's operands with the accumulators; the cache level's does not
     (its epilogue runs after the tile is stored)."""
-    budget = conv_schedule.register_budget(anchor, chip)
+    budget = schedules.register_budget(anchor, chip)
     rejected: list[str] = []
-    candidates = tiles if tiles is not None else conv_schedule.candidate_tiles(anchor, chip)
+    candidates = tiles if tiles is not None else schedules.candidate_tiles(anchor, chip)
     conv_only = anchor.conv_only
     for tile in candidates:
-        need = conv_schedule.live_vector_registers(anchor, tile, chip)
-        stored = conv_schedule.live_vector_registers(conv_only, tile, chip)
+        need = schedules.live_vector_registers(anchor, tile, chip)
+        stored = schedules.live_vector_registers(conv_only, tile, chip)
         if stored > budget:
             rejected.append(f"tile {tile}: {need} live vector registers > {budget} on {chip.name}")
             continue
-        for level in EPILOGUE_LEVELS[:2]:
+        for level in schedules.EPILOGUE_MODES[:2]:
             live = need if level == "register" else stored
             if live > budget:
                 rejected.append(f"tile {tile} ({level}): {live} live vector registers > "
                                 f"{budget} on {chip.name}")
                 continue
-            scheduled = conv_schedule.schedule(func, chip, tile, level)
+            scheduled = schedules.schedule(func, chip, tile, level)
             spills = register_pressure.measure(scheduled, chip).spill_moves if measure else None
             if spills:
                 rejected.append(f"tile {tile} ({level}): {spills} spill moves")
@@ -261,10 +260,10 @@ def choose_schedule(
     # not live there) and whose kernel spills no more than the smallest tile's (the epilogue's
     # own nest, e.g. its libm calls, spills the same under any tile), else the smallest tile.
     if tiles is None:
-        candidates = conv_schedule.candidate_tiles(conv_only, chip)
+        candidates = schedules.candidate_tiles(conv_only, chip)
     smallest = candidates[-1]
     fitting = [t for t in candidates
-               if conv_schedule.live_vector_registers(conv_only, t, chip) <= budget]
+               if schedules.live_vector_registers(conv_only, t, chip) <= budget]
     tile, (scheduled, spills) = smallest, _separate(func, smallest, chip, measure)
     for candidate in fitting:
         if candidate == smallest:
@@ -277,13 +276,13 @@ def choose_schedule(
                         f"{spills} of tile {smallest}")
     return scheduled, FusionRecord(
         "", chip.name, _ops(anchor), "separate", tile=str(tile),
-        registers=conv_schedule.live_vector_registers(conv_only, tile, chip), budget=budget,
+        registers=schedules.live_vector_registers(conv_only, tile, chip), budget=budget,
         spill_moves=spills, rejected=rejected,
     )
 
 
 def _separate(func, tile, chip, measure: bool) -> tuple[tvm.tirx.PrimFunc, int | None]:
-    scheduled = conv_schedule.schedule(func, chip, tile, "separate")
+    scheduled = schedules.schedule(func, chip, tile, "separate")
     return scheduled, register_pressure.measure(scheduled, chip).spill_moves if measure else None
 
 
@@ -295,7 +294,7 @@ def _schedule_gpu(
     anchors = {
         gvar: anchor
         for gvar, func in mod.functions.items()
-        if isinstance(func, tvm.tirx.PrimFunc) and (anchor := conv_schedule.analyze(func))
+        if isinstance(func, tvm.tirx.PrimFunc) and (anchor := schedules.analyze(func))
     }
     with chip.target:
         mod = dl.ApplyDefaultSchedule(
@@ -319,9 +318,9 @@ def _with_workload(scheduled: tvm.tirx.PrimFunc, workload: tvm.tirx.PrimFunc) ->
     return scheduled.with_attr(WORKLOAD_ATTR, packed)
 
 
-def _ops(anchor: conv_schedule.Anchor) -> list[str]:
+def _ops(anchor: schedules.Anchor) -> list[str]:
     return [anchor.kind, *anchor.epilogue]
 
 
 def _is_scheduled(func: tvm.tirx.PrimFunc) -> bool:
-    return bool(func.attrs and func.attrs.get(conv_schedule.SCHEDULED_ATTR, False))
+    return bool(func.attrs and func.attrs.get(schedules.SCHEDULED_ATTR, False))

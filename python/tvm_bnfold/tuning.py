@@ -60,7 +60,7 @@ from tvm.ir import IRModule
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
-from . import chips, conv_schedule, register_pressure
+from . import chips, register_pressure, schedules
 from .errors import BNFoldError
 from .fuse_epilogue import WORKLOAD_ATTR, schedule_kernels
 
@@ -75,7 +75,7 @@ LOCK_FILE = ".tune.lock"
 DEFAULTS_FILE = "bnfold_default_schedules.json"
 #: The chip a database was made for and the machine it was measured on.
 CHIP_FILE = "chip.json"
-_SCHEDULED = conv_schedule.SCHEDULED_ATTR
+_SCHEDULED = schedules.SCHEDULED_ATTR
 
 
 class TuningError(BNFoldError):
@@ -126,7 +126,7 @@ def unpack_workload(packed: str) -> tvm.tirx.PrimFunc:
 def is_kernel(func: tvm.tirx.PrimFunc) -> bool:
     """An unscheduled conv/matmul kernel (with its epilogue), not another reduction (pooling,
     mean)."""
-    anchor = conv_schedule.analyze(func)
+    anchor = schedules.analyze(func)
     return anchor is not None and anchor.kind != "reduction"
 
 
@@ -316,7 +316,7 @@ def _vars(expr) -> set:
 class RegisterBudget(ms.postproc.PyPostproc):
     """The register-pressure check as a MetaSchedule postprocessor: discards a candidate before
     it is built or measured when, in our blocked space, FuseEpilogue's static estimate exceeds
-    ``conv_schedule.register_budget``, or elsewhere, its register tile
+    ``schedules.register_budget``, or elsewhere, its register tile
     (:func:`register_tile`) plus the epilogue's operands exceeds
     ``register_pressure.static_budget(chip, dtype)``."""
 
@@ -328,19 +328,19 @@ class RegisterBudget(ms.postproc.PyPostproc):
 
     def _initialize_with_tune_context(self, context) -> None:
         self.task = str(context.task_name)
-        self.anchor = conv_schedule.analyze(context.mod["main"])
+        self.anchor = schedules.analyze(context.mod["main"])
         if self.anchor is not None:
             self.budget = register_pressure.static_budget(self.chip, self.anchor.dtype)
 
     def apply(self, sch) -> bool:
         if self.anchor is None:
             return True
-        sampled = conv_schedule.sampled_tile(sch, self.anchor, self.chip)
+        sampled = schedules.sampled_tile(sch, self.anchor, self.chip)
         budget = self.budget
         if sampled is not None:  # our blocked space: FuseEpilogue's own static estimate
-            need = conv_schedule.live_vector_registers(self.anchor, sampled, self.chip,
+            need = schedules.live_vector_registers(self.anchor, sampled, self.chip,
                                                        broadcasts_live=True)
-            budget = conv_schedule.register_budget(self.anchor, self.chip)
+            budget = schedules.register_budget(self.anchor, self.chip)
         else:
             try:
                 tile = register_tile(sch, self.anchor.block, self.chip.lanes(self.anchor.dtype))
@@ -361,12 +361,12 @@ class RegisterBudget(ms.postproc.PyPostproc):
 def design_space(workload: IRModule, chip: chips.Chip, postprocs: list
                  ) -> ms.space_generator.SpaceGenerator:
     """The search space of one task: for a blocked conv, our schedule with its register tile
-    sampled and one space per epilogue level (:func:`conv_schedule.design_spaces`); for any
+    sampled and one space per epilogue level (:func:`schedules.design_spaces`); for any
     other kernel, MetaSchedule's default CPU space (MultiLevelTiling ``SSRSRS``, whose write
     reuse places the epilogue on the inner or outer tile or leaves it separate)."""
-    if conv_schedule.design_spaces(s_tir.Schedule(workload["main"]), chip) is not None:
+    if schedules.design_spaces(s_tir.Schedule(workload["main"]), chip) is not None:
         return ms.space_generator.ScheduleFn(
-            functools.partial(conv_schedule.design_spaces, chip=chip), sch_rules=[],
+            functools.partial(schedules.design_spaces, chip=chip), sch_rules=[],
             postprocs=postprocs, mutator_probs="from-target")
     return ms.space_generator.PostOrderApply(
         sch_rules="from-target", postprocs=postprocs, mutator_probs="from-target")
