@@ -232,6 +232,20 @@ def test_load_onnx_unsupported_op_without_precheck(monkeypatch):
         models.load_onnx(_tiny_model("Celu"))
 
 
+def test_an_importer_error_is_a_bnfold_error_naming_it():
+    """TVM's importer raises ValueError where shapes do not broadcast (its message prints the
+    whole operator first): one line saying what is wrong, the original chained."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    c = numpy_helper.from_array(np.ones(4, np.float32), "c")
+    graph = helper.make_graph([helper.make_node("Add", ["x", "c"], ["y"])], "g", [x], [y], [c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(BNFoldError, match=r"importer cannot import.*ValueError.*broadcastable"
+                       ) as caught:
+        models.load_onnx(model)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+
 def test_load_onnx_bad_shapes():
     model = _tiny_model("Relu")
     with pytest.raises(BNFoldError, match=r"'image'.*not graph inputs.*'x'"):

@@ -48,7 +48,8 @@ def load_onnx(
 
     ``shapes`` overrides graph input shapes, e.g. ``{"data": (1, 3, 64, 64)}``. The caller's
     ModelProto is not modified. Raises BNFoldError for a missing or non-ONNX file, an unknown
-    input name in ``shapes`` and ops TVM's ONNX importer does not support.
+    input name in ``shapes``, ops TVM's ONNX importer does not support and any other error of
+    that importer (shapes that do not broadcast, say).
     """
     from tvm.relax.frontend.onnx import from_onnx
 
@@ -64,6 +65,9 @@ def load_onnx(
         mod = from_onnx(proto, shape_dict=shape_dict, keep_params_in_input=False)
     except NotImplementedError as err:  # tvm.error.OpNotImplemented is one
         raise BNFoldError(f"TVM's ONNX importer cannot import this model: {err}") from err
+    except Exception as err:  # its shape inference (ValueError), a TVM InternalError, ...
+        raise BNFoldError(f"TVM's ONNX importer cannot import this model: "
+                          f"{type(err).__name__}: {_last_words(err)}") from err
     logger.info(
         "imported ONNX graph %r (%d nodes) in %.2f s",
         proto.graph.name,
@@ -71,6 +75,14 @@ def load_onnx(
         time.perf_counter() - start,
     )
     return mod
+
+
+def _last_words(err: Exception, limit: int = 300) -> str:
+    """The end of an error's last line, where TVM says what was wrong (its messages print
+    whole operator definitions before that); the whole error stays chained as the cause."""
+    lines = str(err).strip().splitlines() or [""]
+    last = lines[-1].strip()
+    return last if len(last) <= limit else "..." + last[-limit:]
 
 
 def _read_onnx(path: Path) -> onnx.ModelProto:
