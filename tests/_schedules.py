@@ -131,15 +131,15 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help=f"write {FILE}")
     args = parser.parse_args()
     found = {k: v for model in MODELS for k, v in digests(model).items()}
+    before = recorded() if FILE.exists() else {}
+    changed = sorted(k for k in found.keys() | before.keys() if found.get(k) != before.get(k))
+    print(f"{len(found)} digests, changed: {', '.join(changed) or 'none'}")
     if args.write:
         FILE.parent.mkdir(exist_ok=True)
         FILE.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(found)} digests to {FILE}")
-        return
-    changed = sorted(k for k in found.keys() | recorded().keys()
-                     if found.get(k) != recorded().get(k))
-    print(f"{len(found)} digests, changed: {', '.join(changed) or 'none'}")
-    raise SystemExit(1 if changed else 0)
+        print(f"wrote them to {FILE}")
+    elif changed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from _kernels import CHIP, HERE, B, R, conv_module, stem_module, weight
 from _util import assert_close, function, run, tensor_var
 from tvm_bnfold import FuseEpilogue, chips
 from tvm_bnfold.bench import kernel_count, layout_kernel_count, op_counts
-from tvm_bnfold.blocked_layout import CONV_BLOCK, DEPTHWISE_BLOCK, to_blocked
+from tvm_bnfold.blocked_layout import CONV_BLOCK, DEPTHWISE_BLOCK, _CancelTransforms, to_blocked
 from tvm_bnfold.fuse_epilogue import fuse_graph
 
 pytestmark = pytest.mark.skipif(not HERE, reason="neither avx512 nor avx2 runs here")
@@ -300,3 +300,47 @@ def test_a_look_alike_kernel_is_not_raised():
     assert not any(CONV_BLOCK in n and "maximum" in n for n in kernel_names(graph))
     assert layout_kernel_count(graph) == 2  # x in, and the conv's result back to NCHW
     assert_close(run(graph, x), run(mod, x))
+
+
+def test_a_head_conv_reads_the_blocked_layout_in_its_own_kernel():
+    """A conv whose output channels the block does not divide (a 1000-class head) after a
+    blocked region gathers its blocked input in its own kernel: ConvertLayout's transform back
+    to NCHW cancels against it, so the only layout transform left is the model input's."""
+    rng = np.random.default_rng(3)
+    w1, w2 = weight(rng, 2 * B, B, 3, 3), weight(rng, B + 2, 2 * B, 1, 1)
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1, padding=1))))
+        return R.nn.relu(bb.emit(R.nn.conv2d(y, w2)))
+
+    x = rng.normal(size=(1, B, 7, 7)).astype("float32")
+    mod = function([tensor_var("x", x.shape)], body)
+    out, report = fused(mod)
+    assert layout_kernel_count(out) == 1
+    head = [r for r in report if "conv2d_of_blocked" in r.kernel]
+    assert len(head) == 1 and head[0].decision == "register"
+    assert_close(run(out, x), run(mod, x))
+
+
+def _transform_pair(first, second, shape=(1, 2 * B, 5, 5)):
+    x = tensor_var("x", shape)
+    return function([x], lambda bb, x: R.nn.relu(bb.emit(R.layout_transform(
+        bb.emit(R.layout_transform(x, first)), second))))
+
+
+def test_a_transform_and_its_inverse_cancel_and_nothing_else_does():
+    blocked = lambda n, c, h, w: (n, c // B, h, w, c % B)  # noqa: E731
+    swap = lambda n, c, h, w: (n, c, w, h)  # noqa: E731
+    same = lambda n, c, h, w: (n, c, h, w)  # noqa: E731
+    inverse = lambda n, o, h, w, i: (n, o * B + i, h, w)  # noqa: E731
+
+    def transforms(mod):
+        return relax.transform.LegalizeOps()(_CancelTransforms()(mod)).script().count(
+            "layout_transform")
+
+    assert transforms(_transform_pair(blocked, inverse)) == 0
+    assert transforms(_transform_pair(swap, swap)) == 0
+    assert transforms(_transform_pair(swap, same)) > 0  # not the identity: kept
+    mod = _transform_pair(blocked, inverse)
+    assert_close(run(_CancelTransforms()(mod), x := np.ones((1, 2 * B, 5, 5), "float32")),
+                 run(mod, x))

@@ -30,8 +30,10 @@ pools, spatial means and channel concats between them, move to the blocked layou
 is legalized first, so that ConvertLayout sees an opaque kernel and ends the region there with
 one layout transform, never applying a layout rule that fails or is wrong for it; each such op
 is a :class:`LayoutRecord`. A stem conv whose input channels do not block (RGB) then writes the
-blocked layout itself, through its epilogue and max pool; a transform of a 1x1 map (pooled
-features, a squeeze-excitation gate) is a reshape. Step 4 legalizes the blocked convs with our
+blocked layout itself, through its epilogue and max pool; a head conv whose output channels do
+not block (a 1000-class classifier) reads the blocked layout itself, its kernel's first stage
+gathering it into NCHW (the transform ConvertLayout writes before it cancels against that read);
+a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape. Step 4 legalizes the blocked convs with our
 compute (groups = 1 and depthwise).
 """
 
@@ -93,6 +95,7 @@ def to_blocked(
         relax.transform.ConvertLayout({"relax.nn.conv2d": [f"NCHW{block}c", f"OIHW{block}o"]}),
         relax.transform.Normalize(),
         relax.transform.EliminateCommonSubexpr(),
+        _CancelTransforms(),
         _PackConstants(),
         relax.transform.FoldConstant(),
         _BlockStems(block),
@@ -495,7 +498,41 @@ class _RegionEnder(relax.PyExprMutator):
             return call
         if reason:
             self.ends[(call.op.name, reason)] += 1
+        if self._is_head(call):
+            return self._head(call)
         return rule(self.builder_, call)
+
+    def _is_head(self, call: relax.Call) -> bool:
+        """A plain conv whose output channels do not block but whose input does and comes out
+        of a blocked region: a classifier's 1000-class 1x1 conv."""
+        if call.op.name != _CONV2D or not _is_conv2d(call) or int(call.attrs.groups) != 1:
+            return False
+        data = call.args[0]
+        return _channels(data) is not None and not _channels(data) % self.block and (
+            self._blocked(data))
+
+    def _blocked(self, var, depth: int = 8) -> bool:
+        """``var`` will be blocked: the layout carries the op that makes it, and that op is a
+        conv2d or reads such a tensor (through at most ``depth`` ops)."""
+        value = self.lookup_binding(var) if isinstance(var, relax.Var) else None
+        if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+                and value.op != _CALL_TIR and carry_reason(value, self.block) is None):
+            return False
+        return value.op.name == _CONV2D or (depth > 0 and any(
+            self._blocked(a, depth - 1) for a in _tensor_args(value)))
+
+    def _head(self, call: relax.Call) -> relax.Expr:
+        """The head conv as one kernel that reads ``NCHW{b}c`` (ConvertLayout's transform back
+        to NCHW before it then meets this one and both cancel, see :class:`_CancelTransforms`)."""
+        b, attrs = self.block, call.attrs
+        blocked = self.builder_.emit(relax.op.layout_transform(
+            call.args[0], lambda n, c, h, w: (n, c // b, h, w, c % b)))
+        return self.builder_.call_te(
+            conv2d_nchw_of_blocked, blocked, call.args[1],
+            strides=[int(s) for s in attrs.strides], padding=[int(p) for p in attrs.padding],
+            dilation=[int(d) for d in attrs.dilation],
+            out_dtype=_out_dtype(attrs) or str(call.args[0].ty.dtype),
+            primfunc_name_hint="conv2d_of_blocked")
 
 
 def _tensor_args(call: relax.Call) -> list:
@@ -503,6 +540,67 @@ def _tensor_args(call: relax.Call) -> list:
     for arg in call.args:
         args.extend(arg.fields if isinstance(arg, relax.Tuple) else [arg])
     return args
+
+
+@tvm.transform.module_pass(opt_level=0, name="CancelTransforms")
+class _CancelTransforms:
+    """``layout_transform(layout_transform(x, m1), m2)`` is ``x`` where ``m2`` undoes ``m1``
+    (no padding either way): the pair ConvertLayout writes where a region's blocked tensor
+    meets an op that takes it blocked again (a head conv, :meth:`_RegionEnder._head`)."""
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod
+        for gvar, func in mod.functions.items():
+            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
+                continue
+            bindings = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+            pairs = {var: inner.args[0] for var, value in bindings.items()
+                     if _is_transform(value) and _is_transform(inner := bindings.get(
+                         value.args[0])) and _undoes(value, inner)}
+            if pairs:
+                out = out.clone() if out is mod else out
+                out.update_func(gvar, _Aliaser(pairs).visit_expr(func))
+        if out is mod:
+            return mod
+        return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
+                                         relax.transform.DeadCodeElimination()])(out)
+
+
+@relax.expr_functor.mutator
+class _Aliaser(relax.PyExprMutator):
+    """Each var of ``aliases`` bound to its value there instead (an alias, canonicalized away)."""
+
+    def __init__(self, aliases: dict) -> None:
+        super().__init__()
+        self.aliases = aliases
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        if binding.var in self.aliases:
+            value = self.visit_expr(self.aliases[binding.var])
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
+        else:
+            super().visit_var_binding_(binding)
+
+
+def _is_transform(value) -> bool:
+    return (isinstance(value, relax.Call) and value.op == _LAYOUT_TRANSFORM
+            and value.attrs.pad_value is None)
+
+
+def _undoes(outer: relax.Call, inner: relax.Call) -> bool:
+    """``outer``'s index map composed with ``inner``'s is the identity on ``inner``'s input."""
+    source, result = inner.args[0].ty, outer.ty
+    if not (isinstance(source, relax.TensorType) and isinstance(result, relax.TensorType)
+            and source.shape is not None and result.shape is not None
+            and tvm_ffi.structural_equal(source.shape, result.shape)):
+        return False
+    first, second = inner.attrs.index_map, outer.attrs.index_map
+    analyzer = tvm.sym.Analyzer()
+    for var, extent in zip(first.initial_indices, source.shape.values, strict=True):
+        analyzer.bind(var, tvm.ir.Range(0, extent))
+    composed = second.map_indices(first.map_indices(first.initial_indices))
+    return all(analyzer.can_prove_equal(c, v)
+               for c, v in zip(composed, first.initial_indices, strict=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -861,6 +959,17 @@ def conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
             * weight[o, rco, ry, rx, rci, oi].astype(out_dtype),
             axis=[rco, ry, rx, rci]),
         name=CONV_BLOCK)
+
+
+def conv2d_nchw_of_blocked(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
+                           out_dtype: str) -> te.Tensor:
+    """``data`` (N, C/b, H, W, b) x ``weight`` (O, C, KH, KW) -> (N, O, OH, OW): an NCHW conv
+    whose first stage gathers its blocked input into NCHW (what a layout transform kernel
+    would write), in the same kernel."""
+    n, blocks, h, w, b = (int(d) for d in data.shape)
+    plain = te.compute((n, blocks * b, h, w),
+                       lambda i, c, y, x: data[i, c // b, y, x, c % b], name="unblocked")
+    return topi.nn.conv2d_nchw(plain, weight, strides, padding, dilation, out_dtype)
 
 
 def depthwise_conv2d_nchwc(data: te.Tensor, weight: te.Tensor, strides, padding, dilation,
