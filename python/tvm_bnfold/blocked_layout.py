@@ -33,8 +33,8 @@ is a :class:`LayoutRecord`. A stem conv whose input channels do not block (RGB) 
 blocked layout itself, through its epilogue and max pool; a head conv whose output channels do
 not block (a 1000-class classifier) reads the blocked layout itself, its kernel's first stage
 gathering it into NCHW (the transform ConvertLayout writes before it cancels against that read);
-a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape. Step 4 legalizes the blocked convs with our
-compute (groups = 1 and depthwise).
+a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape. Step 4
+legalizes the blocked convs with our compute (groups = 1 and depthwise).
 """
 
 from __future__ import annotations
