@@ -24,7 +24,9 @@ import pathlib
 import tvm
 import tvm_ffi
 
-from tvm_bnfold import FoldBN, FuseEpilogue, chips, corpus, schedules
+from _corpus import MODELS as CORPUS_MODELS
+from _corpus import load
+from tvm_bnfold import FoldBN, FuseEpilogue, chips, schedules
 from tvm_bnfold.errors import BNFoldError
 from tvm_bnfold.fuse_epilogue import WORKLOAD_ATTR
 from tvm_bnfold.models import BUILTIN, _with_input_shapes, load_onnx
@@ -32,24 +34,18 @@ from tvm_bnfold.tuning import unpack_workload
 
 FILE = pathlib.Path(__file__).parent / "data" / "schedules.json"
 CHIPS = [c for c in chips.PRESETS.values() if c.kind == "cpu"]
-#: Built-in models at a small input, the corpus at its smallest test sizes.
+#: Built-in models at a small input, the corpus at its test sizes.
 SHAPES = {"resnet50": (1, 3, 64, 64), "mobilenetv2": (1, 3, 64, 64)}
-TRAINED_SHAPES = {"ocr_det": (1, 3, 64, 64), "ocr_rec": (1, 3, 48, 160), "ocr_cls": None}
-CORPUS_SIZES = {n: max(lo, 32) for n, (lo, _) in corpus.CORPUS_SIZES.items() if n != "vgg19"}
-MODELS = [*SHAPES, *CORPUS_SIZES, *TRAINED_SHAPES]
+MODELS = [*SHAPES, *CORPUS_MODELS]
 
 
 def _module(name: str) -> tvm.IRModule:
     if name in SHAPES:
         proto = BUILTIN[name]()
-        proto = _with_input_shapes(proto, {proto.graph.input[0].name: SHAPES[name]})
-    elif name in CORPUS_SIZES:
-        proto = corpus.corpus_model(name, CORPUS_SIZES[name])
+        mod = load_onnx(_with_input_shapes(proto, {proto.graph.input[0].name: SHAPES[name]}))
     else:
-        proto = corpus.trained_model(name)
-        if TRAINED_SHAPES[name]:
-            proto = _with_input_shapes(proto, {proto.graph.input[0].name: TRAINED_SHAPES[name]})
-    return FoldBN()(load_onnx(proto))
+        mod = load(name)[1]
+    return FoldBN()(mod)
 
 
 def _hash(obj) -> str:

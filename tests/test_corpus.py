@@ -4,8 +4,6 @@ more kernels than stock TVM fusion."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -13,32 +11,13 @@ import pytest
 import tvm
 from tvm import relax
 
+from _corpus import MODELS, load
 from tvm_bnfold import BNFoldError, FoldBN, FuseEpilogue, chips, corpus
 from tvm_bnfold.bench import STOCK_TVM, layout_kernel_count, op_counts
 from tvm_bnfold.fuse_epilogue import fuse_graph, kernel_count, schedule_kernels, tvm_fusion
-from tvm_bnfold.models import _with_input_shapes, load_onnx, random_inputs
+from tvm_bnfold.models import _with_input_shapes, random_inputs
 
 CHIP = chips.host_chip()
-#: Smallest input each corpus model takes (fixed-size classifiers: their native-ish size).
-#: VGG-19 is left to ``make bench``: 575 MB of weights and 20 GFLOP at its only sizes.
-SIZES = {name: max(lo, 32) for name, (lo, _) in corpus.CORPUS_SIZES.items() if name != "vgg19"}
-#: The trained models at inputs their apps also feed, smaller than the defaults (test budget).
-TRAINED_SHAPES = {"ocr_det": (1, 3, 64, 64), "ocr_rec": (1, 3, 48, 160), "ocr_cls": None}
-MODELS = [*SIZES, *corpus.TRAINED]
-
-
-@functools.cache
-def load(name: str) -> tuple[onnx.ModelProto, tvm.IRModule]:
-    """The model and its Relax module (shared by the tests: each checks it is not mutated)."""
-    if name in corpus.TRAINED:
-        proto = corpus.trained_model(name)
-        shape = TRAINED_SHAPES[name]
-        shapes = {proto.graph.input[0].name: shape} if shape else None
-        if shapes:
-            proto = _with_input_shapes(proto, shapes)
-    else:
-        proto = corpus.corpus_model(name, SIZES[name])
-    return proto, load_onnx(proto)
 
 
 def stock(mod: tvm.IRModule) -> tvm.IRModule:

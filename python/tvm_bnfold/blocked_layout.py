@@ -549,37 +549,35 @@ class _CancelTransforms:
     meets an op that takes it blocked again (a head conv, :meth:`_RegionEnder._head`)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod
+        canceller = _Canceller(mod)
         for gvar, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
-                continue
-            bindings = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
-            pairs = {var: inner.args[0] for var, value in bindings.items()
-                     if _is_transform(value) and _is_transform(inner := bindings.get(
-                         value.args[0])) and _undoes(value, inner)}
-            if pairs:
-                out = out.clone() if out is mod else out
-                out.update_func(gvar, _Aliaser(pairs).visit_expr(func))
-        if out is mod:
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                canceller.builder_.update_func(gvar, canceller.visit_expr(func))
+        if not canceller.cancelled:
             return mod
         return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
-                                         relax.transform.DeadCodeElimination()])(out)
+                                         relax.transform.DeadCodeElimination()])(
+            canceller.builder_.get())
 
 
 @relax.expr_functor.mutator
-class _Aliaser(relax.PyExprMutator):
-    """Each var of ``aliases`` bound to its value there instead (an alias, canonicalized away)."""
+class _Canceller(relax.PyExprMutator):
+    """A transform that undoes the one before it is that one's input (an alias, canonicalized
+    away)."""
 
-    def __init__(self, aliases: dict) -> None:
-        super().__init__()
-        self.aliases = aliases
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.cancelled = 0
 
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.aliases:
-            value = self.visit_expr(self.aliases[binding.var])
-            self.builder_.emit_normalized(relax.VarBinding(binding.var, value))
-        else:
-            super().visit_var_binding_(binding)
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = self.builder_.normalize(super().visit_call_(call))
+        if not (_is_transform(call) and isinstance(call.args[0], relax.Var)):
+            return call
+        inner = self.lookup_binding(call.args[0])
+        if not (_is_transform(inner) and _undoes(call, inner)):
+            return call
+        self.cancelled += 1
+        return inner.args[0]
 
 
 def _is_transform(value) -> bool:
