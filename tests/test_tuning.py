@@ -220,8 +220,10 @@ def test_a_database_of_another_cpu_is_used_with_a_warning_naming_both(tuned):
         zen3 = FuseEpilogue(ZEN3, measure=False, blocked=True)(mod)
     with pytest.warns(UserWarning, match=r"database of avx2 \(haswell, AVX2, 2 cores, measured "
                       r"on .*\) for avx2-znver3-2c \(znver3, AVX2, 2 cores\)"):
-        scheduled, names, _, _ = apply_database(zen3, ZEN3, work_dir)
-    assert names  # its records are used: the workloads are the same on the same ISA
+        scheduled, names, slower, missing = apply_database(zen3, ZEN3, work_dir)
+    # Its records are used: the workloads are the same on the same ISA. Whether the tuned
+    # schedule or the measured default wins is this host's timing (8 trials), so either counts.
+    assert len(names + slower) == 1 and not missing
     assert_close(vm_run(tvm.compile(scheduled, target=ZEN3.target), x), run(mod, x))
 
 
