@@ -6,8 +6,9 @@ blocked and the NCHW graph; and for each distinct unscheduled kernel, its candid
 schedule at each epilogue mode, its injective schedule and its MetaSchedule design spaces. Each
 is a structural hash under a key that names the model, chip, kernel and variant.
 
-    python -m tests._schedules           # check every model against tests/data/schedules.json
-    python -m tests._schedules --write   # record the current code's digests there
+    python tests/_schedules.py           # check every model against tests/data/schedules.json
+    python tests/_schedules.py --write   # record the current code's digests there
+    python tests/_schedules.py --models ocr_det,ocr_rec --write   # those models only
 
 The file holds one digest per (model, chip) of its sorted fingerprints. Regenerate it only in a
 commit that means to change a schedule, and say which. ``make test`` checks the models of
@@ -125,14 +126,19 @@ def recorded() -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help=f"write {FILE}")
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help="comma-separated models to check (default: all)")
     args = parser.parse_args()
-    found = {k: v for model in MODELS for k, v in digests(model).items()}
+    models = args.models.split(",")
+    found = {k: v for model in models for k, v in digests(model).items()}
     before = recorded() if FILE.exists() else {}
-    changed = sorted(k for k in found.keys() | before.keys() if found.get(k) != before.get(k))
+    mine = {k for k in before if k.split("/")[0] in models}
+    changed = sorted(k for k in found.keys() | mine if found.get(k) != before.get(k))
     print(f"{len(found)} digests, changed: {', '.join(changed) or 'none'}")
     if args.write:
         FILE.parent.mkdir(exist_ok=True)
-        FILE.write_text(json.dumps(found, indent=1, sort_keys=True) + "\n")
+        merged = {**{k: v for k, v in before.items() if k not in mine}, **found}
+        FILE.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
         print(f"wrote them to {FILE}")
     elif changed:
         raise SystemExit(1)

@@ -78,6 +78,33 @@ def test_clip_rank3_constant_and_dropout():
     np.testing.assert_array_equal(run(out, data), np.clip(data * scale, 0, 6))
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1, 1, 1)])
+def test_a_one_element_constant_is_a_scalar_and_the_model_still_blocks(shape):
+    """PP-LCNet's written-out HardSwish (ocr_rec) multiplies by (1,) constants; as (1, 1, 1, 1)
+    ConvertLayout failed inside TVM and the whole model stayed in NCHW."""
+    rng = np.random.default_rng(2)
+    w = _c(rng.normal(0, 0.3, (16, 16, 1, 1)))
+    x = tensor_var("x", (1, 16, 5, 5))
+    wide = np.full((2, 1, 1, 1, 1), 0.5, np.float32)  # higher rank than x: stays as it is
+
+    def body(bb, x):
+        y = bb.emit(R.nn.conv2d(x, w))
+        y = bb.emit(R.add(bb.emit(R.multiply(y, _c(np.full(shape, 0.25)))), _c([3.0])))
+        return R.nn.conv2d(y, w)
+
+    mod = function([x], body)
+    out = Canonicalize()(mod)
+    assert sorted(c.value.ndim for c in _constants(out)) == [0, 0, 4, 4]
+    data = rng.normal(0, 2, (1, 16, 5, 5)).astype("float32")
+    assert_close(run(out, data), run(mod, data))
+    blocked, records = to_blocked(out, 8, {})
+    assert not [r for r in records if "not applied" in str(r)], records
+    assert_close(run(blocked, data), run(mod, data))
+    higher = function([x], lambda bb, x: R.multiply(x, _c(wide)))
+    (kept,) = [c for c in _constants(Canonicalize()(higher))]
+    assert kept.value.shape == (2, 1, 1, 1, 1)
+
+
 def _constants(mod):
     found = []
     relax.analysis.post_order_visit(

@@ -9,7 +9,7 @@ import pytest
 from _schedules import digests, recorded
 
 #: The models make test checks (2.3 minutes on 2 cores; their kernel families: residual,
-#: depthwise, grouped + channel shuffle, concat); ``python -m tests._schedules`` checks them all.
+#: depthwise, grouped + channel shuffle, concat); ``python tests/_schedules.py`` checks them all.
 MODELS = ["resnet50", "mobilenetv2", "shufflenet", "inception_v1"]
 
 
@@ -20,4 +20,4 @@ def test_every_default_schedule_is_the_recorded_one(model):
     expected = {k: v for k, v in recorded().items() if k.startswith(f"{model}/")}
     assert found == expected, (
         f"{model}: a default schedule changed; if that is meant, run "
-        "`python -m tests._schedules --write` and say so in the commit")
+        "`python tests/_schedules.py --write` and say so in the commit")

@@ -17,7 +17,9 @@ The stack + reduce of n tensors is one kernel that reads n broadcast copies; the
 fuses into the producer's epilogue. ``relax.clip`` has no layout rule (ConvertLayout wraps it in
 two layout transforms); maximum and minimum have one. A constant of lower rank than the tensor
 it broadcasts against is the same constant with leading 1s (NumPy broadcasting), in the rank
-the layout rules expect. Dropout, at inference, is its input.
+the layout rules expect; a one-element constant, ``(1,)`` or ``(1, 1, 1, 1)``, is a 0-d scalar
+(ConvertLayout's rule for it fails inside TVM: "Cannot broadcast from 5 to 4", and the whole
+model stayed in NCHW). Dropout, at inference, is its input.
 """
 
 from __future__ import annotations
@@ -113,16 +115,20 @@ class _Rewriter(relax.PyExprMutator):
         return relax.op.minimum(low, relax.const(float(hi.value), dtype))
 
     def _ranked(self, call: relax.Call) -> relax.Expr:
-        """A constant operand of lower rank (but not 0-d) gets leading 1s up to the other's."""
-        ndim = max((a.ty.ndim for a in call.args if isinstance(a.ty, relax.TensorType)),
-                   default=-1)
+        """A one-element constant operand whose rank the other operand's reaches is a 0-d
+        scalar; any other constant of lower rank (but not 0-d) gets leading 1s up to the
+        other's."""
+        ranks = [a.ty.ndim if isinstance(a.ty, relax.TensorType) else -1 for a in call.args]
         args, changed = [], False
-        for arg in call.args:
-            if (isinstance(arg, tvm.ir.expr.GenericConst) and 0 < arg.ty.ndim < ndim):
+        for i, arg in enumerate(call.args):
+            if isinstance(arg, tvm.ir.expr.GenericConst) and arg.ty.ndim > 0:
+                other = max((r for j, r in enumerate(ranks) if j != i), default=-1)
                 value = arg.value.numpy()
-                arg = relax.const(value.reshape((1,) * (ndim - value.ndim) + value.shape),
-                                  str(value.dtype))
-                changed = True
+                if value.size == 1 and arg.ty.ndim <= other:
+                    arg, changed = relax.const(value.reshape(()), str(value.dtype)), True
+                elif arg.ty.ndim < other:
+                    shape = (1,) * (other - value.ndim) + value.shape
+                    arg, changed = relax.const(value.reshape(shape), str(value.dtype)), True
             args.append(arg)
         return relax.Call(call.op, args, call.attrs, call.ty_args) if changed else call
 
