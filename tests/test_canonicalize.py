@@ -101,7 +101,7 @@ def test_a_one_element_constant_is_a_scalar_and_the_model_still_blocks(shape):
     assert not [r for r in records if "not applied" in str(r)], records
     assert_close(run(blocked, data), run(mod, data))
     higher = function([x], lambda bb, x: R.multiply(x, _c(wide)))
-    (kept,) = [c for c in _constants(Canonicalize()(higher))]
+    (kept,) = _constants(Canonicalize()(higher))
     assert kept.value.shape == (2, 1, 1, 1, 1)
 
 
