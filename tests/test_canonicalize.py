@@ -78,6 +78,27 @@ def test_clip_rank3_constant_and_dropout():
     np.testing.assert_array_equal(run(out, data), np.clip(data * scale, 0, 6))
 
 
+def test_the_importers_clip_bounds_are_folded_in_numpy():
+    """ONNX Clip with min / max inputs imports as ``where(isnan(c), -inf, c)`` per bound: two
+    ops on constants that FoldConstant would compile with LLVM. Canonicalize folds them."""
+    from onnx import TensorProto, helper
+
+    from tvm_bnfold.models import load_onnx
+
+    bounds = [helper.make_tensor(n, TensorProto.FLOAT, [], [v]) for n, v in (("lo", 0.0),
+                                                                              ("hi", 6.0))]
+    graph = helper.make_graph(
+        [helper.make_node("Clip", ["x", "lo", "hi"], ["y"])], "clip",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 3, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 3, 3])], bounds)
+    mod = load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    assert op_counts(mod)["isnan"] == op_counts(mod)["where"] == 2  # the importer's form
+    out = Canonicalize()(mod)
+    assert not op_counts(out)["isnan"] and not op_counts(out)["where"]
+    data = np.random.default_rng(2).normal(0, 5, (1, 4, 3, 3)).astype("float32")
+    np.testing.assert_array_equal(run(out, data), np.clip(data, 0, 6))
+
+
 @pytest.mark.parametrize("shape", [(1,), (1, 1, 1, 1)])
 def test_a_one_element_constant_is_a_scalar_and_the_model_still_blocks(shape):
     """PP-LCNet's written-out HardSwish (ocr_rec) multiplies by (1,) constants; as (1, 1, 1, 1)
