@@ -173,6 +173,11 @@ def test_a_spill_outside_the_loop_of_the_fmas_counts_only_around_a_call():
     assert rp.count_vector_spills(_loop_nest("", store + runtime + load, "")) == 0
     no_fma = _loop_nest("", store + load, "").replace("vfmadd231ps", "vaddps")
     assert rp.count_vector_spills(no_fma) == 2
+    # An epilogue's multiply-add contracted to an FMA on the tile: the reduction loop, with
+    # more FMAs, is still the hot one.
+    fma = "\tvfmadd213ps\t%ymm5, %ymm6, %ymm4\n"
+    assert rp.count_vector_spills(_loop_nest("", store + fma + load, fma + fma)) == 0
+    assert rp.count_vector_spills(_loop_nest("", store + fma * 3 + load, "")) == 2
     # AArch64 likewise (a store st*, a load ld*, the slot its [sp...] operand).
     a64 = "\tstr\tq1, [sp, #16]\n", "\tldr\tq2, [sp, #16]\n"
     nest = _loop_nest(a64[0], "", a64[1]).replace("jne\t", "b.ne\t").replace(

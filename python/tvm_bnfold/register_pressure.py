@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -211,11 +212,12 @@ def count_vector_spills(asm: str) -> int:
     (the bias vectors of a tile loop): each use reloads it, as the unhoisted code would load
     it from its buffer, so its moves do not count.
 
-    In a function whose loops make no calls, a slot counts only when one of its moves lies as
-    deep as the function's FMAs (the reduction steps): per tile or per row, a few moves cost
-    nothing beside the reduction. ResNet-50's 3x3 convs on an AVX-512 Xeon, tiles 7x2 and 8x2
-    with 2-11 such moves at tile depth, ran 1.11-1.20x faster than the spill-free 7x1 / 14x1
-    tiles the strict count fell back to; a 2x4 tile's 240 moves lie in its reduction loop.
+    In a function whose loops make no libm calls, a slot counts only when one of its moves
+    lies as deep as the loop holding most of the function's FMAs (the reduction steps): per
+    tile or per row, a few moves cost nothing beside the reduction. ResNet-50's 3x3 convs on
+    an AVX-512 Xeon, tiles 7x2 and 8x2 with 2-11 such moves at tile depth, ran 1.11-1.20x
+    faster than the spill-free 7x1 / 14x1 tiles the strict count fell back to; a 2x4 tile's
+    240 moves lie in its reduction loop.
     Around a libm call in a loop (an exact sigmoid on the tile) every live vector is spilled:
     there, and in a function without FMAs, every move counts.
     """
@@ -224,11 +226,11 @@ def count_vector_spills(asm: str) -> int:
     depths = _loop_depths(lines)
     framed = {None} | {f for f, line in lines if _X86_SETS_FRAME.match(line)}
     slots: dict[tuple, list[tuple[bool, int]]] = {}  # (function, slot) -> (is_store, depth)
-    fma_depth: dict[str | None, int] = {}  # function -> depth of its shallowest FMA
+    fmas: dict[str | None, Counter] = {}  # function -> FMAs per loop depth
     math_calls: set[str | None] = set()  # functions calling a math routine in their loops
     for (function, line), depth in zip(lines, depths, strict=True):
         if _FMA.match(line):
-            fma_depth[function] = min(depth, fma_depth.get(function, depth))
+            fmas.setdefault(function, Counter())[depth] += 1
         elif depth and _MATH_CALL.match(line):
             math_calls.add(function)
         if x86:
@@ -260,10 +262,18 @@ def count_vector_spills(asm: str) -> int:
         loads = [depth for store, depth in moves if not store]
         if stores and loads and max(stores) < min(loads):
             continue  # a hoisted loop invariant
-        hot = fma_depth.get(function)
+        hot = _hot_depth(fmas.get(function))
         if function in math_calls or hot is None or max(d for _, d in moves) >= hot:
             count += len(moves)
     return count
+
+
+def _hot_depth(fmas: Counter | None) -> int | None:
+    """The loop depth that holds most of a function's FMAs (the reduction; an epilogue's
+    multiply-add contracted to an FMA sits shallower), the shallower of a tie."""
+    if not fmas:
+        return None
+    return min(fmas, key=lambda depth: (-fmas[depth], depth))
 
 
 def vector_registers_used(asm: str) -> int:
