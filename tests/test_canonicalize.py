@@ -184,3 +184,30 @@ def test_a_pooled_map_leaves_the_blocked_layout_as_a_view():
     assert sum("layout_transform" in n for n in names) == 1  # only the input's, no way back
     x = rng.normal(size=(1, 16, 6, 6)).astype("float32")
     assert_close(run(blocked, x), run(mod, x))
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_flattened_map_before_a_classifier_is_a_view_of_the_blocked_layout(batch):
+    """VGG's head: the flatten of the last pooled map reads the blocked layout as it is, the
+    classifier's weight rows permuted to match (exact); where the flatten has a second use
+    (two classifiers), the map goes back to NCHW first."""
+    rng = np.random.default_rng(6)
+    w = _c(rng.normal(0, 0.3, (16, 16, 3, 3)))
+    fc = [_c(rng.normal(0, 0.1, (16 * 3 * 3, 10))) for _ in range(2)]
+
+    def head(classifiers):
+        def body(bb, x):
+            y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w, padding=1))))
+            y = bb.emit(R.nn.max_pool2d(y, pool_size=2, strides=2))
+            flat = bb.emit(R.reshape(y, (batch, 16 * 3 * 3)))
+            outs = [bb.emit(R.matmul(flat, f)) for f in fc[:classifiers]]
+            return outs[0] if classifiers == 1 else R.add(*outs)
+        return function([tensor_var("x", (batch, 16, 6, 6))], body)
+
+    x = rng.normal(size=(batch, 16, 6, 6)).astype("float32")
+    for classifiers, transforms in ((1, 1), (2, 2)):
+        mod = head(classifiers)
+        blocked, _ = to_blocked(mod, 8)
+        names = [g.name_hint for g in blocked.functions]
+        assert sum("layout_transform" in n for n in names) == transforms
+        assert_close(run(blocked, x), run(mod, x))

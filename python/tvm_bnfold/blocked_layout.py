@@ -33,7 +33,8 @@ is a :class:`LayoutRecord`. A stem conv whose input channels do not block (RGB) 
 blocked layout itself, through its epilogue and max pool; a head conv whose output channels do
 not block (a 1000-class classifier) reads the blocked layout itself, its kernel's first stage
 gathering it into NCHW (the transform ConvertLayout writes before it cancels against that read);
-a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape. Step 4
+a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape, and so is
+the flatten of a blocked map a classifier's matmul reads (its weight rows permuted). Step 4
 legalizes the blocked convs with our compute (groups = 1 and depthwise).
 """
 
@@ -101,6 +102,7 @@ def to_blocked(
         _BlockStems(block),
         relax.transform.RewriteDataflowReshape(),  # the reshapes legalized in Step 3: views
         _TransformsAsReshapes(block),
+        _FlattenBlocked(block),
         # Step 4. Legalize, blocked convs with our compute; pack the weights once.
         relax.transform.LegalizeOps({**legalize, "relax.nn.conv2d": _legalize_conv2d}),
         relax.transform.FoldConstant(),
@@ -647,6 +649,79 @@ class _ReshapeRewriter(relax.PyExprMutator):
         if _is_blocking(call, self.block) or _is_unblocking(call, self.block):
             return relax.op.reshape(call.args[0], dst.shape)
         return call
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3e: a flattened blocked map before a matmul is a view
+# --------------------------------------------------------------------------------------------
+
+
+@tvm.transform.module_pass(opt_level=0, name="FlattenBlocked")
+class _FlattenBlocked:
+    """``matmul(reshape(layout_transform(x, NCHW{b}c -> NCHW), (N, C*H*W)), W)`` with a
+    constant ``W`` (VGG's and AlexNet's classifier) -> ``matmul(reshape(x, (N, C*H*W)), W')``:
+    the flatten of the blocked map is a view, and ``W'`` holds ``W``'s rows in the blocked
+    order (a permutation: exact). Where the transform or the flatten has another use, nothing
+    changes (the NCHW map is needed anyway)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+                out.update_func(gvar, _Flattener(mod, func, self.block).visit_expr(func))
+        return out  # the transforms left unused: Step 4's DeadCodeElimination
+
+
+@relax.expr_functor.mutator
+class _Flattener(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, func: relax.Function, block: int) -> None:
+        super().__init__(mod)
+        self.mod, self.block, self.uses = mod, block, count_uses(func)
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if call.op != _CALL_TIR or len(call.args[1].fields) != 2:
+            return call
+        flat, weight = call.args[1].fields
+        reshape = self.lookup_binding(flat) if isinstance(flat, relax.Var) else None
+        if not (isinstance(reshape, relax.Call) and reshape.op == _RESHAPE
+                and isinstance(reshape.args[0], relax.Var) and self.uses.get(flat) == 1
+                and self.uses.get(reshape.args[0]) == 1 and _constant(weight)):
+            return call
+        transform = self.lookup_binding(reshape.args[0])
+        if not (isinstance(transform, relax.Call) and transform.op == _LAYOUT_TRANSFORM
+                and transform.attrs.pad_value is None and _is_unblocking(transform, self.block)
+                and _static(transform.args[0].ty) and _static(flat.ty)):
+            return call
+        n, blocks, h, w, b = (int(d) for d in transform.args[0].ty.shape.values)
+        if [int(d) for d in flat.ty.shape.values] != [n, blocks * b * h * w]:
+            return call
+        if not _is_matmul(self.mod[call.args[0]], flat, weight):
+            return call
+        rows = np.arange(blocks * b * h * w).reshape(blocks, b, h, w).transpose(0, 2, 3, 1)
+        view = self.builder_.emit(relax.op.reshape(transform.args[0], flat.ty.shape))
+        weight = _const(weight.value.numpy()[rows.ravel()])
+        return relax.Call(call.op, [call.args[0], relax.Tuple([view, weight])], call.attrs,
+                          call.ty_args)
+
+
+def _is_matmul(func, a: relax.Expr, b: relax.Expr) -> bool:
+    """``func`` is the legalized ``relax.matmul`` of 2-D ``a`` and ``b`` (``b``'s rows are
+    the contracted axis)."""
+    if not isinstance(func, tvm.tirx.PrimFunc) or b.ty.ndim != 2:
+        return False
+    x, y = relax.Var("a", a.ty), relax.Var("b", b.ty)
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, y]):
+        bb.emit_func_output(relax.op.matmul(x, y))
+    legalized = relax.transform.LegalizeOps()(bb.get())
+    refs = [f for f in legalized.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return len(refs) == 1 and tvm_ffi.structural_equal(
+        refs[0].without_attr("global_symbol"), func.without_attr("global_symbol"),
+        map_free_vars=True)
 
 
 def _static(ty) -> bool:
