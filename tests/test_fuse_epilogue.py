@@ -233,16 +233,19 @@ def test_oversized_register_tile_is_rejected_on_avx2_with_the_counts():
 
 @pytest.mark.parametrize("fast_math", [False, True])
 def test_a_separate_epilogue_leaves_the_conv_a_full_tile(fast_math):
-    """When the epilogue cannot share the tile (libm calls, or the polynomial's constants on
-    avx2's 16 registers), the conv still gets a multi-accumulator tile that spills no more
-    than the smallest one: the epilogue's registers are not live in the conv's loop."""
+    """When the epilogue cannot share the register tile (libm calls, or the polynomial's
+    constants on avx2's 16 registers), the conv still gets a multi-accumulator tile, not the
+    smallest one: the epilogue's registers are not live in the conv's loop. libm's calls spill
+    the stored tile too (separate); the polynomial spills it per tile at most, outside the
+    reduction, which the check does not count (cache), or separate."""
     mod, inputs = conv_act_module(ACTIVATIONS["silu"], shape=(1, 16, 16, 16), cout=32)
     fuse = FuseEpilogue(fast_math=fast_math, blocked=True)
     with chips.target("avx2"):
         out = fuse(mod)
     (record,) = fuse.report
     smallest = str(schedules.Tile(vec=8, rows=1, hrows=1, lanes=8))
-    assert record.decision == "separate" and record.tile.split(", block_rows")[0] != \
+    levels = ("cache", "separate") if fast_math else ("separate",)
+    assert record.decision in levels and record.tile.split(", block_rows")[0] != \
         smallest.split(", block_rows")[0], record
     assert record.registers <= record.budget
     assert_close(run(out, *inputs), run(mod, *inputs))
