@@ -319,22 +319,25 @@ def openvino_runner(model: onnx.ModelProto, inputs: list[np.ndarray]):
 
 
 def corpus_rows(chip: chips.Chip, names: list[str], repeat: int,
-                progress: Callable[[str], None] | None = None) -> list[dict]:
-    """The real models of :mod:`corpus` on ``chip`` (it must run here), batch 1: ours
-    (FoldBN + FuseEpilogue), tuned where ``tuning_logs/<chip>/<model>/`` exists, stock TVM
+                progress: Callable[[str], None] | None = None, batch: int = 1) -> list[dict]:
+    """The real models of :mod:`corpus` on ``chip`` (it must run here) at ``batch``
+    (:func:`.models.with_batch`): ours (FoldBN + FuseEpilogue), tuned where
+    ``tuning_logs/<chip>/<model>/`` exists (batch 1: the databases are tuned there), stock TVM
     fusion, ONNX Runtime and OpenVINO (when installed), timed interleaved in one process."""
-    from .models import get_model
+    from .models import get_model, with_batch
 
     say = progress or (lambda _msg: None)
     rows = []
     for name in names:
-        say(f"{chip.name}/{name}: building")
+        say(f"{chip.name}/{name}: building at batch {batch}")
         proto = get_model(name)
+        if batch != 1:
+            proto = with_batch(proto, batch)
         mod = load_onnx(proto)
         found = variants(mod, chip, baselines=("stock",))
         inputs = list(random_inputs(mod).values())
         runners = {v: tvm_runner(found[v].mod, inputs, chip.target) for v in ("ours", "stock")}
-        tuned = build_tuned(found["ours"].mod, chip, name)
+        tuned = build_tuned(found["ours"].mod, chip, name) if batch == 1 else None
         if tuned is not None:
             runners["tuned"] = tvm_runner(tuned, inputs, chip.target)
         for peer, make in (("onnxruntime", onnxruntime_runner), ("openvino", openvino_runner)):
@@ -731,6 +734,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", default=",".join(
         n for n in corpus.MODELS if n != "vgg19"),
         help="comma-separated real models of the corpus ('': none)")
+    parser.add_argument("--corpus-batches", default="1,8",
+                        help="comma-separated batch sizes of the corpus tables")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     runtime.set_threads()
@@ -765,10 +770,11 @@ def main(argv: list[str] | None = None) -> None:
             print_peak(rows, model_flops(mod) / 1e9, peak, fma[chip.name])
 
     names = [m for m in args.corpus.split(",") if m]
-    for chip in targets if names else ():
-        print(f"\n## Real models ({chip.name}, batch 1, fp32, native input sizes; median of "
-              f"{args.repeat} interleaved rounds)")
-        print_corpus(corpus_rows(chip, names, args.repeat, progress=_progress))
+    batches = [int(b) for b in args.corpus_batches.split(",") if b]
+    for chip, batch in ((c, b) for c in (targets if names else ()) for b in batches):
+        print(f"\n## Real models ({chip.name}, batch {batch}, fp32, native input sizes; median "
+              f"of {args.repeat} interleaved rounds)")
+        print_corpus(corpus_rows(chip, names, args.repeat, progress=_progress, batch=batch))
 
     print("\n## Epilogues of libm functions: 3x3 conv 64->64 on 56x56 + bias + activation, "
           "FuseEpilogue exact vs fast_math=True")

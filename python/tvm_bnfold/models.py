@@ -196,6 +196,45 @@ def _with_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> 
     return copy
 
 
+def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
+    """A copy of a batch-1 ``model`` at batch ``batch``: the first dim of its graph inputs set
+    to ``batch``, and each constant Reshape target of an activation whose first dim is 1 given
+    ``0`` there (ONNX: that dim of the input), so a classifier's flatten (VGG's ``(1, 25088)``)
+    or a channel shuffle follows the batch. A target whose input did not carry the batch in its
+    first dim then fails to import (its element count differs): never a silent reshape."""
+    if not isinstance(batch, int) or batch < 1:
+        raise BNFoldError(f"with_batch: the batch must be an int >= 1, got {batch!r}")
+    inputs = input_shapes(model)
+    if any(shape[:1] != (1,) for shape in inputs.values()):
+        raise BNFoldError(f"with_batch: the inputs must have batch 1, got {inputs}")
+    copy = _with_input_shapes(model, {n: (batch, *s[1:]) for n, s in inputs.items()})
+    graph = copy.graph
+    initializers = {t.name: t for t in graph.initializer}
+    constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+    for node in graph.node:
+        if (node.op_type != "Reshape" or node.input[0] in initializers
+                or node.input[0] in constants
+                or any(a.name == "allowzero" and a.i for a in node.attribute)):
+            continue  # a weight's reshape keeps its shape
+        target = node.input[1]
+        if target in initializers:
+            _batch_free(initializers[target])
+        elif target in constants:
+            value = next((a for a in constants[target].attribute if a.name == "value"), None)
+            if value is not None:
+                _batch_free(value.t)
+    return copy
+
+
+def _batch_free(tensor: onnx.TensorProto) -> None:
+    """A Reshape target ``[1, ...]`` -> ``[0, ...]``, in place."""
+    dims = numpy_helper.to_array(tensor)
+    if dims.ndim == 1 and dims.size > 1 and dims[0] == 1:
+        dims = dims.copy()
+        dims[0] = 0
+        tensor.CopyFrom(numpy_helper.from_array(dims, tensor.name))
+
+
 def _walk_nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """All nodes of ``graph``, including those in subgraphs (If branches)."""
     for node in graph.node:
