@@ -294,3 +294,45 @@ def test_static_shape_arithmetic_folds_for_the_importer():
     vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
     np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(),
                                   np.maximum(x, 0).reshape(1, 3, 4, 8))
+
+
+@pytest.mark.parametrize("name", ["shufflenet", "alexnet"])
+def test_with_batch_follows_the_batch_through_flattens_and_shuffles(name):
+    """ShuffleNet's 5-D channel shuffle and AlexNet's flatten are constant Reshape targets of
+    batch 1: at batch 3 each sample's output is what batch 1 gives it (ONNX Runtime on both),
+    TVM imports it, and the caller's model is untouched."""
+    import onnxruntime as ort
+
+    from _corpus import load
+
+    proto, _ = load(name)
+    before = proto.SerializeToString()
+    batched = models.with_batch(proto, 3)
+    assert proto.SerializeToString() == before
+    (input_name, shape), = models.input_shapes(batched).items()
+    assert shape[0] == 3
+    x = np.random.default_rng(0).normal(size=shape).astype("float32")
+    one, three = (ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"])
+                  for p in (proto, batched))
+    got = three.run(None, {input_name: x})[0]
+    for i in range(3):
+        np.testing.assert_allclose(got[i], one.run(None, {input_name: x[i:i + 1]})[0][0],
+                                   rtol=1e-5, atol=1e-6)
+    mod = models.load_onnx(batched)
+    assert int(mod["main"].ret_ty.shape.values[0]) == 3
+
+
+def test_with_batch_refuses_a_bad_batch_or_a_batched_model(resnet):
+    with pytest.raises(BNFoldError, match="batch must be an int >= 1"):
+        models.with_batch(resnet, 0)
+    with pytest.raises(BNFoldError, match="inputs must have batch 1"):
+        models.with_batch(models.with_batch(resnet, 2), 2)
+
+
+def test_with_batch_gives_the_outputs_the_batch_too():
+    from _corpus import load
+
+    proto, _ = load("squeezenet")  # its output is declared (1, 1000, 1, 1)
+    batched = models.with_batch(proto, 2)
+    assert batched.graph.output[0].type.tensor_type.shape.dim[0].dim_value == 2
+    assert not batched.graph.value_info

@@ -197,10 +197,11 @@ def _with_input_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> 
 
 
 def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
-    """A copy of a batch-1 ``model`` at batch ``batch``: the first dim of its graph inputs set
-    to ``batch``, and each constant Reshape target of an activation whose first dim is 1 given
-    ``0`` there (ONNX: that dim of the input), so a classifier's flatten (VGG's ``(1, 25088)``)
-    or a channel shuffle follows the batch. A target whose input did not carry the batch in its
+    """A copy of a batch-1 ``model`` at batch ``batch``: the first dim of its graph inputs (and
+    outputs) set to ``batch``, its recorded intermediate shapes dropped, and each constant
+    Reshape target of an activation whose first dim is 1 given ``0`` there (ONNX: that dim of
+    the input), so a classifier's flatten (VGG's ``(1, 25088)``) or a channel shuffle follows
+    the batch. A target whose input did not carry the batch in its
     first dim then fails to import (its element count differs): never a silent reshape."""
     if not isinstance(batch, int) or batch < 1:
         raise BNFoldError(f"with_batch: the batch must be an int >= 1, got {batch!r}")
@@ -209,6 +210,11 @@ def with_batch(model: onnx.ModelProto, batch: int) -> onnx.ModelProto:
         raise BNFoldError(f"with_batch: the inputs must have batch 1, got {inputs}")
     copy = _with_input_shapes(model, {n: (batch, *s[1:]) for n, s in inputs.items()})
     graph = copy.graph
+    del graph.value_info[:]  # shapes recorded at batch 1
+    for output in graph.output:
+        dims = output.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value") and dims[0].dim_value == 1:
+            dims[0].dim_value = batch
     initializers = {t.name: t for t in graph.initializer}
     constants = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
     for node in graph.node:
