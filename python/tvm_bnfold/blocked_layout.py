@@ -121,6 +121,16 @@ def to_blocked(
     return out, ends.records
 
 
+def _rewrite_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
+    """A copy of ``mod`` with ``rewrite(func)`` for each of its Relax functions (primitive
+    ones, fused kernels, left alone)."""
+    out = mod.clone()
+    for gvar, func in mod.functions.items():
+        if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
+            out.update_func(gvar, rewrite(func))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Step 1: clip kernels -> Relax ops
 # --------------------------------------------------------------------------------------------
@@ -618,11 +628,7 @@ class _TransformsAsReshapes:
         self.block = block
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod.clone()
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                out.update_func(gvar, _ReshapeRewriter(self.block).visit_expr(func))
-        return out
+        return _rewrite_functions(mod, lambda func: _ReshapeRewriter(self.block).visit_expr(func))
 
 
 @relax.expr_functor.mutator
@@ -668,11 +674,9 @@ class _FlattenBlocked:
         self.block = block
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod.clone()
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                out.update_func(gvar, _Flattener(mod, func, self.block).visit_expr(func))
-        return out  # the transforms left unused: Step 4's DeadCodeElimination
+        # The transforms left unused go in Step 4's DeadCodeElimination.
+        return _rewrite_functions(
+            mod, lambda func: _Flattener(mod, func, self.block).visit_expr(func))
 
 
 @relax.expr_functor.mutator
@@ -750,11 +754,7 @@ class _PackConstants:
     would build and run one kernel per weight: 3 s of a ResNet-50's compile)."""
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod.clone()
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                out.update_func(gvar, _ConstantPacker().visit_expr(func))
-        return out
+        return _rewrite_functions(mod, lambda func: _ConstantPacker().visit_expr(func))
 
 
 @relax.expr_functor.mutator
