@@ -8,7 +8,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from _util import assert_close, function, run, tensor_var
+from _util import assert_close, constants, function, run, tensor_var
 from tvm_bnfold.bench import op_counts
 from tvm_bnfold.blocked_layout import pack, to_blocked
 from tvm_bnfold.canonicalize import Canonicalize
@@ -97,6 +97,49 @@ def test_the_importers_clip_bounds_are_folded_in_numpy():
     assert not op_counts(out)["isnan"] and not op_counts(out)["where"]
     data = np.random.default_rng(2).normal(0, 5, (1, 4, 3, 3)).astype("float32")
     np.testing.assert_array_equal(run(out, data), np.clip(data, 0, 6))
+
+
+def test_gemms_transposed_weight_and_reshaped_bias_are_folded_in_numpy():
+    """ONNX Gemm (transB) imports as ``matmul(x, permute_dims(W))``, a bias as a reshape of a
+    constant: both fold here, exactly, and the caller's constants stay as they were."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tvm_bnfold.models import load_onnx
+
+    rng = np.random.default_rng(3)
+    w, b = rng.normal(size=(300, 517)).astype("float32"), rng.normal(size=300).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1),
+         helper.make_node("Reshape", ["b", "s"], ["b4"]),
+         helper.make_node("Reshape", ["g", "s4"], ["g4"]),
+         helper.make_node("Add", ["g4", "b4"], ["y"])], "gemm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 517])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 300, 1, 1])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b"),
+         numpy_helper.from_array(np.array([1, 300, 1, 1], np.int64), "s"),
+         numpy_helper.from_array(np.array([2, 300, 1, 1], np.int64), "s4")])
+    mod = load_onnx(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    before = [c.copy() for c in constants(mod)]
+    out = Canonicalize()(mod)
+    counts = op_counts(out)
+    assert not counts["permute_dims"] and counts["reshape"] == 1, counts  # g's reshape stays
+    folded = {c.shape: c for c in constants(out)}
+    np.testing.assert_array_equal(folded[(517, 300)], w.T)
+    np.testing.assert_array_equal(folded[(1, 300, 1, 1)], b.reshape(1, 300, 1, 1))
+    assert all(np.array_equal(a, c) for a, c in zip(before, constants(mod), strict=True))
+    data = rng.normal(size=(2, 517)).astype("float32")
+    assert_close(run(out, data), run(mod, data))
+
+
+def test_constant_values_are_a_read_only_view():
+    from tvm_bnfold.fold_bn import constant, values
+
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    view = values(constant(array))
+    np.testing.assert_array_equal(view, array)
+    with pytest.raises(ValueError):
+        view[0, 0] = 1.0  # a constant of a module is never written through
+    assert values(constant(np.float32(2.5))).shape == ()
 
 
 @pytest.mark.parametrize("shape", [(1,), (1, 1, 1, 1)])

@@ -103,6 +103,7 @@ class FuseEpilogue:
         with chip.target:
             # Phase 1. Graph level: blocked layout, legalize, group each anchor with its epilogue.
             self.layout_report = []
+            mod = canonicalize.Canonicalize()(mod)  # once for both layouts (idempotent)
             fused = fuse_graph(mod, block, legalize, self.layout_report)
             if block is not None and self.blocked is None:  # never more kernels than NCHW
                 plain = fuse_graph(mod, None, legalize)
