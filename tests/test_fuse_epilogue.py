@@ -278,3 +278,63 @@ def test_cuda_kernels_report_ptxas_registers(chip):
     assert kernel_count(out) == 1
     assert 0 < record.registers <= 255 and record.spill_bytes == 0
     tvm.compile(out, target=chips.target(chip))  # CUDA code generation needs no GPU
+
+
+def test_spill_verdicts_measured_on_several_threads_are_the_ones_measured_in_turn(
+        monkeypatch, tmp_path):
+    """FuseEpilogue measures its kernels on a thread per usable core: the same verdicts, records
+    and kernels as one thread, each kernel measured in the caller's PassContext."""
+    import threading
+
+    from tvm_bnfold import load_onnx, register_pressure
+    from tvm_bnfold.models import mobilenetv2
+
+    mod = FoldBN()(load_onnx(mobilenetv2(), shapes={"data": (1, 3, 32, 32)}))
+    measure_cpu, seen = register_pressure.measure_cpu, []
+
+    def recording(func, chip):
+        ctx = tvm.transform.PassContext.current()
+        seen.append((threading.current_thread().name,
+                     ctx.config.get("relax.backend.use_cuda_graph")))
+        return measure_cpu(func, chip)
+
+    monkeypatch.setattr(register_pressure, "measure_cpu", recording)
+    results = {}
+    for cores in (1, 2):
+        monkeypatch.setattr(chips, "usable_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(register_pressure, "SPILLS",
+                            register_pressure.SpillCache(tmp_path / str(cores)))
+        seen.clear()
+        with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": False}):
+            results[cores] = _fuse(mod, "avx2")
+        threads = {name for name, _ in seen}
+        assert len(seen) >= 2, seen
+        assert all(name.startswith("bnfold-spills") for name in threads) == (cores == 2), threads
+        assert all(mark is not None for _, mark in seen)  # the caller's context, in every thread
+    (one, one_report), (two, two_report) = results[1], results[2]
+    assert [str(r) for r in one_report] == [str(r) for r in two_report]
+    tvm.ir.assert_structural_equal(one, two)
+
+
+def test_a_libm_epilogue_whose_smallest_tile_spills_tries_no_larger_tile(monkeypatch, tmp_path):
+    """An exact sigmoid calls libm, which keeps no vector register: when the smallest tile
+    spills on both levels, the walk skips the larger tiles and decides what the whole walk
+    decides, in fewer builds."""
+    from tvm_bnfold import fuse_epilogue, register_pressure
+
+    mod, _ = conv_act_module(ACTIVATIONS["silu"], shape=(1, 16, 14, 14), cout=32)
+    measure_cpu, builds = register_pressure.measure_cpu, []
+    monkeypatch.setattr(register_pressure, "measure_cpu",
+                        lambda func, chip: builds.append(1) or measure_cpu(func, chip))
+    found = {}
+    for shortcut in (True, False):
+        if not shortcut:
+            monkeypatch.setattr(fuse_epilogue, "_calls_math", lambda func: False)
+        monkeypatch.setattr(register_pressure, "SPILLS",
+                            register_pressure.SpillCache(tmp_path / str(shortcut)))
+        builds.clear()
+        _, (record,) = _fuse(FoldBN()(mod), "avx2")
+        found[shortcut] = (record.decision, record.tile, record.spill_moves, len(builds))
+    assert found[True][0] == "separate"
+    assert found[True][:3] == found[False][:3]
+    assert found[True][3] < found[False][3], found

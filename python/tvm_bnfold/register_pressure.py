@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -465,6 +466,7 @@ class SpillCache:
         self._directory = directory
         self._memory: dict[str, SpillReport] = {}
         self._loaded: Path | None = None
+        self._lock = threading.Lock()
 
     @property
     def path(self) -> Path:
@@ -479,12 +481,17 @@ class SpillCache:
         return f"rule{SpillCache.RULE}|{tvm.__version__}|{chip.target}|{digest}"
 
     def get(self, key: str) -> SpillReport | None:
-        self._load()
-        return self._memory.get(key)
+        with self._lock:
+            self._load()
+            return self._memory.get(key)
 
     def put(self, key: str, report: SpillReport) -> None:
-        self._load()
-        self._memory[key] = report
+        with self._lock:  # FuseEpilogue measures on several threads
+            self._load()
+            self._memory[key] = report
+            self._write()
+
+    def _write(self) -> None:
         path = self.path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
