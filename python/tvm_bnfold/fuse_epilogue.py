@@ -324,19 +324,21 @@ def _math_walk(func, anchor, chip, candidates: list, budget: int, rejected: list
     (the x86-64 and AArch64 ABIs save none whole), so a tile holds at least the smallest tile's
     vectors across each call. Where the smallest tile spills on both levels, so does every
     larger one (ocr_rec's SiLU kernels: 16 of 18 builds each, all spilling): none is tried."""
-    smallest, measured = candidates[-1], 0
+    smallest, spilled = candidates[-1], []
     for level, analysed in zip(schedules.EPILOGUE_MODES[:2], (anchor, anchor.conv_only),
                                strict=True):
         if schedules.live_vector_registers(analysed, smallest, chip) > budget:
             continue
         scheduled = schedules.schedule(func, chip, smallest, level)
-        measured += 1
-        if not register_pressure.measure(scheduled, chip).spill_moves:
+        spills = register_pressure.measure(scheduled, chip).spill_moves
+        if not spills:
             return candidates  # a level may fit: walk every tile
-    if not measured:  # no level of the smallest tile fits the static budget: nothing learnt
+        spilled.append(f"tile {smallest} ({level}): {spills} spill moves")
+    if not spilled:  # no level of the smallest tile fits the static budget: nothing learnt
         return candidates
-    rejected.append(f"tiles {', '.join(str(t) for t in candidates)}: the smallest spills on "
-                    "both levels around libm calls; larger tiles hold more across them")
+    rejected.extend(spilled)
+    rejected.append(f"{len(candidates) - 1} larger tiles not built: they hold more vectors "
+                    "across its libm calls")
     return []
 
 
