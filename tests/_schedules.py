@@ -100,9 +100,9 @@ def fingerprints(models: list[str] | None = None) -> dict[str, str]:
                     workload = _workload(func) or func
                     # The workload by its structure: its packed JSON also records how the
                     # importer's nodes were shared, which no schedule depends on.
-                    out[f"{key}/{gvar.name_hint}"] = (
-                        f"{_hash(func.without_attr(WORKLOAD_ATTR))} {_hash(workload)}")
                     unique = (chip.name, _hash(workload))
+                    out[f"{key}/{gvar.name_hint}"] = (
+                        f"{_hash(func.without_attr(WORKLOAD_ATTR))} {unique[1]}")
                     if unique in seen:
                         continue
                     seen.add(unique)
