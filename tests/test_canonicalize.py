@@ -169,6 +169,32 @@ def test_a_one_element_constant_is_a_scalar_and_the_model_still_blocks(shape):
     assert kept.value.shape == (2, 1, 1, 1, 1)
 
 
+def test_a_multiply_or_divide_by_ones_is_its_input_and_nothing_else_is():
+    """ocr_rec's SiLU is x * sigmoid(x * 1.0): the multiply by 1.0 goes. Ones that broadcast x
+    to a larger shape, 1 / x and x * 2 stay."""
+    x = tensor_var("x", (1, 16, 4, 4))
+    ones = np.ones((1, 16, 1, 1), np.float32)
+
+    def body(bb, x):
+        y = bb.emit(R.sigmoid(bb.emit(R.multiply(x, _c(1.0)))))
+        y = bb.emit(R.multiply(bb.emit(R.divide(y, _c(ones))), bb.emit(R.multiply(_c(ones), x))))
+        kept = [R.multiply(x, _c(np.ones((2, 16, 4, 4)))), R.divide(_c(1.0), x),
+                R.multiply(x, _c(2.0))]
+        return relax.Tuple([y, *[bb.emit(k) for k in kept]])
+
+    mod = function([x], body)
+    counts = op_counts(Canonicalize()(mod))
+    assert counts["multiply"] == 3 and counts["divide"] == 1  # y * x and the three kept
+    data = np.random.default_rng(3).normal(0, 2, (1, 16, 4, 4)).astype("float32")
+    data[0, 0, 0, :3] = [-0.0, np.inf, np.nan]
+    out = relax.VirtualMachine(tvm.compile(Canonicalize()(mod), "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(data))
+    ref = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())["main"](
+        tvm.runtime.tensor(data))
+    for got, want in zip(out, ref, strict=True):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())  # bit for bit, NaN included
+
+
 def _constants(mod):
     found = []
     relax.analysis.post_order_visit(

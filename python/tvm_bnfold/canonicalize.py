@@ -23,7 +23,9 @@ model stayed in NCHW). Dropout, at inference, is its input. The importer's guard
 bound, ``where(isnan(c), -inf, c)`` on a constant, Gemm's transposed weight and a reshaped
 bias are folded here in NumPy: FoldConstant compiles and runs each such op with LLVM
 (MobileNetV2: 140 kernels, 1.5 s of every FoldConstant run; VGG-19's three classifier weights,
-2.2 s of each).
+2.2 s of each). A multiply or divide by constant ones is its input (SiLU written as
+``x * sigmoid(x * 1.0)``: in a region the blocked layout ends, the kernel of the multiply
+became a copy that no fusion crosses).
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class _Rewriter(relax.PyExprMutator):
             return self._pairwise(call, _REDUCE_PAIRWISE[name])
         if name == "relax.clip":
             return self._clip(call)
+        if name in ("relax.multiply", "relax.divide"):
+            unit = self._unit(call)
+            if unit is not None:
+                return unit
         if name in _BROADCASTING:
             return self._ranked(call)
         if name in _NUMPY:
@@ -147,6 +153,17 @@ class _Rewriter(relax.PyExprMutator):
             return call
         dtype = str(call.ty.dtype)
         return constant(np.asarray(numpy_op(call, *operands), dtype))
+
+    def _unit(self, call: relax.Call) -> relax.Expr | None:
+        """``x * 1``, ``1 * x``, ``x / 1`` -> ``x``, where the constant ones do not broadcast
+        ``x`` to another shape or dtype (exact: -0, inf and NaN stay as they are)."""
+        pairs = [(0, 1), (1, 0)] if call.op.name == "relax.multiply" else [(0, 1)]
+        for keep, one in pairs:
+            x, ones = call.args[keep], call.args[one]
+            if (isinstance(ones, tvm.ir.expr.GenericConst) and _same_type(x, call)
+                    and np.all(values(ones) == 1)):
+                return x
+        return None
 
     def _ranked(self, call: relax.Call) -> relax.Expr:
         """A one-element constant operand whose rank the other operand's reaches is a 0-d
