@@ -344,3 +344,66 @@ def test_a_transform_and_its_inverse_cancel_and_nothing_else_does():
     mod = _transform_pair(blocked, inverse)
     assert_close(run(_CancelTransforms()(mod), x := np.ones((1, 2 * B, 5, 5), "float32")),
                  run(mod, x))
+
+
+def test_a_dense_block_after_an_rgb_stem_is_blocked_through_its_concats():
+    """DenseNet: the stem's pooled map is the first input of a chain of concats, and
+    ConvertLayout gives a concat its first input's layout (the stem's NCHW), so every conv of
+    the block read a transform and every concat a transform back. The whole block moves to
+    the blocked layout: the only transform left is the result's."""
+    rng = np.random.default_rng(12)
+    w0, w1 = weight(rng, 2 * B, 3, 3, 3), weight(rng, B, 2 * B, 1, 1)
+    w2, w3 = weight(rng, B, 3 * B, 1, 1), weight(rng, B, 4 * B, 1, 1)
+    scale, shift = weight(rng, 1, 3 * B, 1, 1), weight(rng, 1, 3 * B, 1, 1)
+
+    def body(bb, x):
+        stem = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w0, padding=1))))
+        pool = bb.emit(R.nn.max_pool2d(stem, 3, 2, 1))
+        c1 = bb.emit(R.concat([pool, bb.emit(R.nn.conv2d(bb.emit(R.nn.relu(pool)), w1))], 1))
+        y = bb.emit(R.nn.relu(bb.emit(R.add(bb.emit(R.multiply(c1, scale)), shift))))
+        c2 = bb.emit(R.concat([c1, bb.emit(R.nn.conv2d(y, w2))], axis=1))
+        return R.nn.conv2d(c2, w3)
+
+    x = rng.normal(size=(1, 3, 16, 16)).astype("float32")
+    mod = function([tensor_var("x", x.shape)], body)
+    out, _ = fused(mod)
+    assert layout_kernel_count(out) == 1
+    assert_close(run(out, x), run(mod, x))
+
+
+def test_an_nchw_region_stays_where_moving_it_needs_more_transforms():
+    """relu(x) and the concat after it are returned in NCHW: blocked, each would need a
+    transform back and x one in, for the one transform of the conv's result they save."""
+    rng = np.random.default_rng(13)
+    w = weight(rng, B, B, 3, 3)
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(x))
+        return relax.Tuple([y, bb.emit(R.concat([y, bb.emit(R.nn.conv2d(x, w, padding=1))],
+                                                axis=1))])
+
+    x = rng.normal(size=(1, B, 6, 6)).astype("float32")
+    mod = function([tensor_var("x", x.shape)], body)
+    blocked, _ = to_blocked(mod, B)
+    assert layout_kernel_count(blocked) == 2  # x in, the conv's result out
+    for got, want in zip(_run_tuple(blocked, x), _run_tuple(mod, x), strict=True):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("method", ["nearest_neighbor", "linear"])
+def test_a_resize_between_blocked_convs_runs_blocked(method):
+    """A feature pyramid's upsampling between convs: TOPI's blocked resize, so the region goes
+    on through it (transforms only at the model's ends) and no region end is recorded."""
+    rng = np.random.default_rng(14)
+    w1, w2 = weight(rng, 2 * B, B, 3, 3), weight(rng, B, 2 * B, 1, 1)
+
+    def body(bb, x):
+        y = bb.emit(R.nn.relu(bb.emit(R.nn.conv2d(x, w1, padding=1))))
+        return R.nn.conv2d(bb.emit(R.image.resize2d(y, (10, 10), method=method)), w2)
+
+    x = rng.normal(size=(1, B, 5, 5)).astype("float32")
+    mod = function([tensor_var("x", x.shape)], body)
+    out, _ = fused(mod)
+    assert not to_blocked(mod, B)[1]  # no region ends
+    assert layout_kernel_count(out) == 2
+    assert_close(run(out, x), run(mod, x))

@@ -26,15 +26,20 @@ producing convs get zero output filters, the consuming convs zero weights for th
 so the padded channels never reach a real output (exact for finite activations). Step 3 is
 TVM's ConvertLayout: every conv2d whose channels split into blocks, and the elementwise ops,
 pools, spatial means and channel concats between them, move to the blocked layout. Any other op
-(a 5-D reshape, Resize, ConvTranspose, a grouped conv, anything unknown: :func:`carry_reason`)
-is legalized first, so that ConvertLayout sees an opaque kernel and ends the region there with
+(a 5-D reshape, ConvTranspose, a grouped conv, anything unknown: :func:`carry_reason`) is
+legalized first, so that ConvertLayout sees an opaque kernel and ends the region there with
 one layout transform, never applying a layout rule that fails or is wrong for it; each such op
-is a :class:`LayoutRecord`. A stem conv whose input channels do not block (RGB) then writes the
-blocked layout itself, through its epilogue and max pool; a head conv whose output channels do
-not block (a 1000-class classifier) reads the blocked layout itself, its kernel's first stage
-gathering it into NCHW (the transform ConvertLayout writes before it cancels against that read);
-a transform of a 1x1 map (pooled features, a squeeze-excitation gate) is a reshape, and so is
-the flatten of a blocked map a classifier's matmul reads (its weight rows permuted). Step 4
+is a :class:`LayoutRecord`. A resize of a blocked tensor is TOPI's blocked resize in its own
+kernel, and the region goes on through it. ConvertLayout gives a concat its first input's
+layout, so an NCHW stem pool that starts a chain of concats (DenseNet) kept a whole block in
+NCHW, with a transform at each conv and concat: such a connected NCHW region moves to the
+blocked layout where that leaves fewer transforms than it removes. A stem conv whose input
+channels do not block (RGB) then writes the blocked layout itself, through its epilogue and max
+pool; a head conv whose output channels do not block (a 1000-class classifier) reads the
+blocked layout itself, its kernel's first stage gathering it into NCHW (the transform
+ConvertLayout writes before it cancels against that read); a transform of a 1x1 map (pooled
+features, a squeeze-excitation gate) is a reshape, and so is the flatten of a blocked map a
+classifier's matmul reads (its weight rows permuted). Step 4
 legalizes the blocked convs with our compute (groups = 1 and depthwise).
 """
 
@@ -98,6 +103,7 @@ def to_blocked(
         relax.transform.Normalize(),
         relax.transform.EliminateCommonSubexpr(),
         _CancelTransforms(),
+        _SpreadBlocked(block),
         _PackConstants(),
         relax.transform.FoldConstant(),
         _BlockStems(block),
@@ -505,11 +511,33 @@ class _RegionEnder(relax.PyExprMutator):
         rule = self.legalize.get(call.op.name) or call.op.get_attr("FLegalize")
         if rule is None:
             return call
+        if self._is_blocked_resize(call):
+            return self._resize(call, rule)
         if reason:
             self.ends[(call.op.name, reason)] += 1
         if self._is_head(call):
             return self._head(call)
         return rule(self.builder_, call)
+
+    def _is_blocked_resize(self, call: relax.Call) -> bool:
+        """A resize of a tensor that will be blocked (a feature pyramid's upsampling)."""
+        channels = _channels(call)
+        return (call.op.name == "relax.image.resize2d" and str(call.attrs.layout) == "NCHW"
+                and channels is not None and channels % self.block == 0
+                and self._blocked(call.args[0]))
+
+    def _resize(self, call: relax.Call, rule) -> relax.Expr:
+        """The resize as one kernel on ``NCHW{b}c`` (TOPI's blocked resize) between a transform
+        in and one out, which cancel against ConvertLayout's: the region goes on through it."""
+        b, a = self.block, call.attrs
+        blocked = self.builder_.emit(relax.op.layout_transform(
+            call.args[0], lambda n, c, h, w: (n, c // b, h, w, c % b)))
+        resize = self.builder_.normalize(relax.op.image.resize2d(
+            blocked, call.args[1], tuple(float(r) for r in a.roi), f"NCHW{b}c", a.method,
+            a.coordinate_transformation_mode, a.rounding_method, a.cubic_alpha, a.cubic_exclude,
+            a.extrapolation_value, a.out_dtype))
+        out = self.builder_.emit(rule(self.builder_, resize))
+        return relax.op.layout_transform(out, lambda n, c, h, w, ci: (n, c * b + ci, h, w))
 
     def _is_head(self, call: relax.Call) -> bool:
         """A plain conv whose output channels do not block but whose input does and comes out
@@ -608,6 +636,170 @@ def _undoes(outer: relax.Call, inner: relax.Call) -> bool:
     composed = second.map_indices(first.map_indices(first.initial_indices))
     return all(analyzer.can_prove_equal(c, v)
                for c, v in zip(composed, first.initial_indices, strict=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Step 3b: NCHW regions that ConvertLayout left between blocked tensors
+# --------------------------------------------------------------------------------------------
+
+
+@tvm.transform.module_pass(opt_level=0, name="SpreadBlocked")
+class _SpreadBlocked:
+    """ConvertLayout gives an op the layout of its (first) input, so an NCHW tensor that meets
+    blocked ones in a concat keeps everything after it in NCHW: DenseNet's stem pool starts its
+    first dense block, whose every conv then reads a transform and whose every concat a
+    transform back. Move each connected region of such carried NCHW ops (:func:`carry_reason`)
+    to the blocked layout where that leaves fewer layout transforms than it removes."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
+        out = mod
+        for gvar, func in mod.functions.items():
+            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
+                continue
+            members = _nchw_regions(func, self.block)
+            if members:
+                out = out.clone() if out is mod else out
+                out.update_func(gvar, _Spreader(members, self.block).visit_expr(func))
+        if out is mod:
+            return mod
+        return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
+                                         relax.transform.DeadCodeElimination()])(out)
+
+
+def _nchw_regions(func: relax.Function, block: int) -> set:
+    """The NCHW vars to move to the blocked layout: every region (ops connected through their
+    operands) where the transforms it removes (blocking ones of its tensors, unblocking ones it
+    alone reads) outnumber the ones it needs (blocking its other operands, unblocking a tensor
+    that something outside the region reads)."""
+    bindings = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
+    users: dict = {}
+    for var, value in bindings.items():
+        for arg in relax.analysis.free_vars(value):
+            users.setdefault(arg, []).append(var)
+    for arg in relax.analysis.free_vars(func.body.body):
+        users.setdefault(arg, []).append(None)  # the return value: outside every region
+    carried = {v for v, value in bindings.items() if _carried_nchw(v, value, block)}
+    region_of: dict = {}
+    for var in carried:  # union by flood fill over operands and users
+        if var in region_of:
+            continue
+        region, todo = set(), [var]
+        while todo:
+            v = todo.pop()
+            if v in region:
+                continue
+            region.add(v)
+            todo.extend(a for a in _tensor_args(bindings[v]) if a in carried)
+            todo.extend(u for u in users.get(v, []) if u in carried)
+        region_of.update(dict.fromkeys(region, frozenset(region)))
+    members: set = set()
+    for region in set(region_of.values()):
+        removed, needed, blocked_inputs = 0, 0, set()
+        for var in region:
+            outside = [u for u in users.get(var, []) if u not in region]
+            blocking = [u for u in outside if u is not None and _is_transform(bindings[u])
+                        and _is_blocking(bindings[u], block)]
+            removed += len(blocking)
+            needed += len(outside) > len(blocking)
+            for arg in _tensor_args(bindings[var]):
+                if arg in region or not isinstance(arg, relax.Var):
+                    continue
+                source = bindings.get(arg)
+                if _is_transform(source) and _is_unblocking(source, block):
+                    removed += all(u in region for u in users[arg])
+                elif _channels(arg) and arg not in blocked_inputs:
+                    blocked_inputs.add(arg)
+                    needed += 1
+        if removed > needed:
+            members |= region
+    return members
+
+
+def _carried_nchw(var, value, block: int) -> bool:
+    """``var = value`` is an NCHW op the blocked layout carries (not a conv: ConvertLayout
+    decided those), on channels that ``block`` divides."""
+    if not (isinstance(var, relax.DataflowVar) and isinstance(value, relax.Call)
+            and isinstance(value.op, tvm.ir.Op) and value.op.name not in (_CONV2D, _CALL_TIR.name)
+            and value.op != _LAYOUT_TRANSFORM):
+        return False
+    channels = _channels(var)
+    if channels is None or channels % block or carry_reason(value, block) is not None:
+        return False
+    if value.op.name == "relax.concat":
+        return isinstance(value.args[0], relax.Tuple)
+    return all(_channels(a) in (None, 1) or _channels(a) == channels
+               for a in _tensor_args(value))
+
+
+@relax.expr_functor.mutator
+class _Spreader(relax.PyExprMutator):
+    """Re-emit each member in the blocked layout; an outside reader gets one transform back."""
+
+    def __init__(self, members: set, block: int) -> None:
+        super().__init__()
+        self.members, self.block = members, block
+        self.blocked: dict = {}  # var -> its blocked var (members and blocked operands)
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        var, value, b = binding.var, binding.value, self.block
+        if var in self.members:
+            args = [self._operand(a) for a in value.args]
+            self.blocked[var] = self.builder_.emit(_blocked_op(value, args, b))
+            back = relax.op.layout_transform(self.blocked[var],
+                                             lambda n, c, h, w, ci: (n, c * b + ci, h, w))
+            self.builder_.emit_normalized(relax.VarBinding(var, self.builder_.normalize(back)))
+        elif (_is_transform(value) and value.args[0] in self.members
+              and _is_blocking(value, b)):
+            self.builder_.emit_normalized(relax.VarBinding(var, self.blocked[value.args[0]]))
+        else:
+            super().visit_var_binding_(binding)
+
+    def _operand(self, arg: relax.Expr) -> relax.Expr:
+        if isinstance(arg, relax.Tuple):
+            return relax.Tuple([self._operand(f) for f in arg.fields])
+        if arg in self.blocked:
+            return self.blocked[arg]
+        source = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
+        if _is_transform(source) and _is_unblocking(source, self.block):
+            return source.args[0]
+        if not _channels(arg) or _channels(arg) == 1 or _constant(arg):
+            return arg  # a scalar, an all-ones broadcast; constants: _blocked_op
+        b = self.block
+        self.blocked[arg] = self.builder_.emit(relax.op.layout_transform(
+            self.visit_expr(arg), lambda n, c, h, w: (n, c // b, h, w, c % b)))
+        return self.blocked[arg]
+
+
+_BLOCKED_POOLS = {"relax.nn.max_pool2d": relax.op.nn.max_pool2d,
+                  "relax.nn.avg_pool2d": relax.op.nn.avg_pool2d}
+
+
+def _blocked_op(value: relax.Call, args: list, block: int) -> relax.Expr:
+    """``value`` (an op :func:`carry_reason` carries, on NCHW) on the blocked ``args``; its
+    per-channel and full-size constants are repacked into ``NCHW{block}c``."""
+    name, attrs, layout = value.op.name, value.attrs, f"NCHW{block}c"
+    if name in _BLOCKED_POOLS:
+        return _BLOCKED_POOLS[name](args[0], attrs.pool_size, attrs.strides, attrs.padding,
+                                    attrs.dilation, attrs.ceil_mode, attrs.count_include_pad,
+                                    layout, layout)
+    if name == "relax.nn.adaptive_avg_pool2d":
+        return relax.op.nn.adaptive_avg_pool2d(args[0], attrs.output_size, layout, layout)
+    if name == "relax.concat":
+        return relax.op.concat(args[0], axis=1)
+    if name == "relax.mean":  # spatial, kept dims (carry_reason)
+        return relax.op.mean(args[0], axis=[2, 3], keepdims=True)
+    packed = []
+    for arg in args:
+        if _constant(arg) and arg.value.ndim == 4 and int(arg.value.shape[1]) > 1:
+            x = values(arg)  # (1, C, H|1, W|1) -> (1, C/b, H|1, W|1, b)
+            n, c, h, w = x.shape
+            arg = constant(np.ascontiguousarray(
+                x.reshape(n, c // block, block, h, w).transpose(0, 1, 3, 4, 2)))
+        packed.append(arg)
+    return relax.Call(value.op, packed, attrs, value.ty_args)
 
 
 # --------------------------------------------------------------------------------------------
@@ -837,7 +1029,9 @@ class _BlockStems:
             if stems:
                 out = out.clone() if out is mod else out
                 out.update_func(gvar, _StemRewriter(stems, self.block).visit_expr(func))
-        return out
+        # The transform's var is now an alias of the stem's result: gone, so that the stem's
+        # conv and its epilogue fuse where the chain is empty.
+        return out if out is mod else relax.transform.CanonicalizeBindings()(out)
 
 
 def _stems(func: relax.Function, block: int) -> dict:
@@ -919,23 +1113,7 @@ class _StemRewriter(relax.PyExprMutator):
             _out_dtype(attrs))
 
     def _chain_op(self, value: relax.Call) -> relax.Expr:
-        b = self.block
-        if _is_max_pool(value):
-            a = value.attrs
-            return relax.op.nn.max_pool2d(
-                self.blocked[value.args[0]], a.pool_size, a.strides, a.padding, a.dilation,
-                a.ceil_mode, a.count_include_pad, f"NCHW{b}c", f"NCHW{b}c")
-        args = []
-        for arg in value.args:
-            if arg in self.blocked:
-                args.append(self.blocked[arg])
-            elif _constant(arg) and arg.value.ndim == 4 and int(arg.value.shape[1]) > 1:
-                x = values(arg)  # (1, C, 1, 1) -> (1, C/b, 1, 1, b)
-                args.append(constant(np.ascontiguousarray(
-                    x.reshape(1, x.shape[1] // b, b, 1, 1).transpose(0, 1, 3, 4, 2))))
-            else:
-                args.append(arg)
-        return relax.Call(value.op, args, value.attrs, value.ty_args)
+        return _blocked_op(value, [self.blocked.get(a, a) for a in value.args], self.block)
 
 
 # --------------------------------------------------------------------------------------------
