@@ -138,6 +138,20 @@ def _rewrite_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
     return out
 
 
+def _rewrite_marked(mod: tvm.IRModule, mark, rewriter) -> tvm.IRModule:
+    """``mod`` with each Relax function (not the primitive ones) that ``mark(func)`` finds
+    something in rewritten by ``rewriter(marks)``; ``mod`` itself when none is."""
+    out = mod
+    for gvar, func in mod.functions.items():
+        if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
+            continue
+        marks = mark(func)
+        if marks:
+            out = out.clone() if out is mod else out
+            out.update_func(gvar, rewriter(marks).visit_expr(func))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Step 1: clip kernels -> Relax ops
 # --------------------------------------------------------------------------------------------
@@ -655,14 +669,8 @@ class _SpreadBlocked:
         self.block = block
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod
-        for gvar, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
-                continue
-            members = _nchw_regions(func, self.block)
-            if members:
-                out = out.clone() if out is mod else out
-                out.update_func(gvar, _Spreader(members, self.block).visit_expr(func))
+        out = _rewrite_marked(mod, lambda f: _nchw_regions(f, self.block),
+                              lambda members: _Spreader(members, self.block))
         if out is mod:
             return mod
         return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
@@ -1021,14 +1029,8 @@ class _BlockStems:
         self.block = block
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod
-        for gvar, func in mod.functions.items():
-            if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
-                continue
-            stems = _stems(func, self.block)
-            if stems:
-                out = out.clone() if out is mod else out
-                out.update_func(gvar, _StemRewriter(stems, self.block).visit_expr(func))
+        out = _rewrite_marked(mod, lambda f: _stems(f, self.block),
+                              lambda stems: _StemRewriter(stems, self.block))
         # The transform's var is now an alias of the stem's result: gone, so that the stem's
         # conv and its epilogue fuse where the chain is empty.
         return out if out is mod else relax.transform.CanonicalizeBindings()(out)
