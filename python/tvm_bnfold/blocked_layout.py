@@ -128,23 +128,27 @@ def to_blocked(
     return out, ends.records
 
 
-def _rewrite_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
-    """A copy of ``mod`` with ``rewrite(func)`` for each of its Relax functions (primitive
-    ones, fused kernels, left alone)."""
-    out = mod.clone()
+def _graph_functions(mod: tvm.IRModule):
+    """``(gvar, func)`` of each Relax function of ``mod`` that is not a primitive one (a fused
+    kernel)."""
     for gvar, func in mod.functions.items():
         if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-            out.update_func(gvar, rewrite(func))
+            yield gvar, func
+
+
+def _rewrite_functions(mod: tvm.IRModule, rewrite) -> tvm.IRModule:
+    """A copy of ``mod`` with ``rewrite(func)`` for each of its :func:`_graph_functions`."""
+    out = mod.clone()
+    for gvar, func in _graph_functions(mod):
+        out.update_func(gvar, rewrite(func))
     return out
 
 
 def _rewrite_marked(mod: tvm.IRModule, mark, rewriter) -> tvm.IRModule:
-    """``mod`` with each Relax function (not the primitive ones) that ``mark(func)`` finds
-    something in rewritten by ``rewriter(marks)``; ``mod`` itself when none is."""
+    """``mod`` with each of its :func:`_graph_functions` that ``mark(func)`` finds something in
+    rewritten by ``rewriter(marks)``; ``mod`` itself when none is."""
     out = mod
-    for gvar, func in mod.functions.items():
-        if not isinstance(func, relax.Function) or (func.attrs and "Primitive" in func.attrs):
-            continue
+    for gvar, func in _graph_functions(mod):
         marks = mark(func)
         if marks:
             out = out.clone() if out is mod else out
@@ -227,15 +231,8 @@ class _PadChannels:
         self.block = block
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
-        out = mod
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                regions = _channel_regions(func, self.block)
-                if regions:
-                    if out is mod:
-                        out = mod.clone()
-                    out.update_func(gvar, _Padder(regions, self.block).visit_expr(func))
-        return out
+        return _rewrite_marked(mod, lambda f: _channel_regions(f, self.block),
+                               lambda regions: _Padder(regions, self.block))
 
 
 def _channel_regions(func: relax.Function, block: int) -> dict:
@@ -453,9 +450,8 @@ class _EndRegions:
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         ends: Counter = Counter()
         ender = _RegionEnder(mod, self.block, self.legalize, ends)
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                ender.builder_.update_func(gvar, ender.visit_expr(func))
+        for gvar, func in _graph_functions(mod):
+            ender.builder_.update_func(gvar, ender.visit_expr(func))
         out = ender.builder_.get()
         self.records = [LayoutRecord(op, n, why) for (op, why), n in sorted(ends.items())]
         for record in self.records:
@@ -601,9 +597,8 @@ class _CancelTransforms:
 
     def transform_module(self, mod: tvm.IRModule, ctx) -> tvm.IRModule:
         canceller = _Canceller(mod)
-        for gvar, func in mod.functions.items():
-            if isinstance(func, relax.Function) and not (func.attrs and "Primitive" in func.attrs):
-                canceller.builder_.update_func(gvar, canceller.visit_expr(func))
+        for gvar, func in _graph_functions(mod):
+            canceller.builder_.update_func(gvar, canceller.visit_expr(func))
         if not canceller.cancelled:
             return mod
         return tvm.transform.Sequential([relax.transform.CanonicalizeBindings(),
